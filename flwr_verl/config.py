@@ -1,0 +1,413 @@
+"""Typed configuration, validated once at the edge.
+
+Every knob lives in one dataclass below; names follow verl (``actor.clip_ratio``,
+``rollout.n``, ``algorithm.adv_estimator``, ...) for the RL engine and Flower (kebab-case:
+``num-server-rounds``, ``proximal-mu``, ...) for the federation. ``parse_run_config`` turns
+Flower's flat run config (``{"actor.clip_ratio": 0.2, ...}``) into these objects; each
+``__post_init__`` rejects a bad value with a ``ConfigError`` naming the key, the value and
+what is allowed, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages compare the n responses of one prompt
+# Under DP every privacy unit's loss must depend on that unit alone. verl's gae whitens
+# advantages over the batch and needs a critic fitted to private data; reinforce_plus_plus
+# whitens over the batch too. Both would break the per-unit sensitivity bound.
+DP_ESTIMATORS = ("grpo", "rloo", "remax")
+# Policy losses whose per-token terms depend on that token's sequence alone; others (clip_cov,
+# kl_cov, ...) select tokens by batch statistics, which couples privacy units.
+DP_POLICY_LOSSES = ("vanilla", "gspo", "gpg")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+PER_SEQUENCE_AGG_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# Opacus modes that materialise per-row gradients, which are pooled per prompt before clipping.
+# "ghost" never materialises them and "ew" needs a positional-input module: neither fits.
+GRAD_SAMPLE_MODES = ("hooks", "functorch")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key, the value and what is allowed."""
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+# ----------------------------------------------------------------------------- engine
+@dataclass
+class ModelConfig:
+    """Base model and LoRA adapters. An empty ``path`` selects the embedded default model."""
+
+    path: str = ""
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: str = "all-linear"  # comma-separated module names, or PEFT's "all-linear"
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.path:
+            require(Path(self.path).is_dir(), "model.path", self.path, "must be an existing local model directory")
+        require(self.lora_rank > 0, "model.lora_rank", self.lora_rank, "must be > 0")
+        require(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "must be > 0")
+        require(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "must be in [0, 1)")
+        require(bool(self.target_modules.strip()), "model.target_modules", self.target_modules, "must name modules")
+        require(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "allowed: float32, bfloat16")
+        require(self.device in ("auto", "cpu", "cuda"), "model.device", self.device, "allowed: auto, cpu, cuda")
+
+
+@dataclass
+class DataConfig:
+    """Prompts: verl-format parquet files, or a task generator (``arithmetic``, ``reasoning_gym:<name>``)."""
+
+    train_files: str = ""  # comma-separated parquet paths; empty selects ``task``
+    val_files: str = ""
+    task: str = "arithmetic"
+    train_size: int = 2048  # prompts generated per client by a task generator
+    val_size: int = 64
+    train_batch_size: int = 32  # prompts per local iteration (expected prompts under DP)
+    max_prompt_length: int = 256
+    partition: str = "iid"  # how a dataset is split across clients: iid | dirichlet
+    dirichlet_alpha: float = 0.5
+    partition_by: str = "data_source"  # the row field whose values the dirichlet split skews
+
+    def __post_init__(self) -> None:
+        require(
+            bool(self.train_files) or self.task == "arithmetic" or self.task.startswith("reasoning_gym:"),
+            "data.task", self.task, "allowed: arithmetic, reasoning_gym:<task name> (or set data.train_files)",
+        )
+        require(self.train_size > 0, "data.train_size", self.train_size, "must be > 0")
+        require(self.val_size >= 0, "data.val_size", self.val_size, "must be >= 0")
+        require(self.train_batch_size > 0, "data.train_batch_size", self.train_batch_size, "must be > 0")
+        require(self.max_prompt_length > 0, "data.max_prompt_length", self.max_prompt_length, "must be > 0")
+        require(self.partition in ("iid", "dirichlet"), "data.partition", self.partition, "allowed: iid, dirichlet")
+        require(self.dirichlet_alpha > 0, "data.dirichlet_alpha", self.dirichlet_alpha, "must be > 0")
+
+
+@dataclass
+class RewardConfig:
+    """verl's ``custom_reward_function``: ``path`` to a .py file and the ``name`` of its function.
+
+    Empty ``path``: the task generator's own scorer, else verl's ``default_compute_score``.
+    """
+
+    path: str = ""
+    name: str = "compute_score"
+
+    def __post_init__(self) -> None:
+        if self.path:
+            require(Path(self.path).is_file(), "custom_reward_function.path", self.path, "must be an existing .py file")
+        require(self.name.isidentifier(), "custom_reward_function.name", self.name, "must be a Python identifier")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    response_length: int = 8  # max new tokens per response
+
+    def __post_init__(self) -> None:
+        require(self.n >= 1, "rollout.n", self.n, "must be >= 1")
+        require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0")
+        require(self.response_length > 0, "rollout.response_length", self.response_length, "must be > 0")
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 32  # prompts per update (each with its n responses)
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    policy_loss: str = "vanilla"  # any name in verl's policy-loss registry
+    loss_agg_mode: str = "seq-mean-token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        from flwr_verl._verl import core_algos
+
+        require(self.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", self.ppo_mini_batch_size, "must be > 0")
+        require(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            require(getattr(self, key) > 0, f"actor.{key}", getattr(self, key), "must be > 0")
+        require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
+        losses = sorted(core_algos.POLICY_LOSS_REGISTRY)
+        require(self.policy_loss in losses, "actor.policy_loss", self.policy_loss, f"allowed: {', '.join(losses)}")
+        require(self.loss_agg_mode in LOSS_AGG_MODES, "actor.loss_agg_mode", self.loss_agg_mode,
+                f"allowed: {', '.join(LOSS_AGG_MODES)}")
+        require(self.entropy_coeff >= 0, "actor.entropy_coeff", self.entropy_coeff, "must be >= 0")
+        require(self.kl_loss_coef >= 0, "actor.kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        require(self.kl_loss_type in KL_TYPES, "actor.kl_loss_type", self.kl_loss_type, f"allowed: {', '.join(KL_TYPES)}")
+        require(self.lr > 0, "actor.lr", self.lr, "must be > 0")
+        require(self.weight_decay >= 0, "actor.weight_decay", self.weight_decay, "must be >= 0")
+        require(self.grad_clip > 0, "actor.grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclass
+class CriticConfig:
+    """The value model, used only by the ``gae`` estimator."""
+
+    lr: float = 1e-3
+    cliprange_value: float = 0.5
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "critic.lr", self.lr, "must be > 0")
+        require(self.cliprange_value > 0, "critic.cliprange_value", self.cliprange_value, "must be > 0")
+        require(self.grad_clip > 0, "critic.grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl_type: str = "fixed"  # verl's algorithm.kl_ctrl.type
+    kl_coef: float = 0.001  # verl's algorithm.kl_ctrl.kl_coef
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        require(self.adv_estimator in ADV_ESTIMATORS, "algorithm.adv_estimator", self.adv_estimator,
+                f"allowed: {', '.join(ADV_ESTIMATORS)}")
+        require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+        require(self.kl_penalty in KL_TYPES, "algorithm.kl_penalty", self.kl_penalty, f"allowed: {', '.join(KL_TYPES)}")
+        require(self.kl_ctrl_type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type", self.kl_ctrl_type,
+                "allowed: fixed, adaptive")
+        require(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", self.kl_coef, "must be >= 0")
+        require(self.target_kl > 0, "algorithm.kl_ctrl.target_kl", self.target_kl, "must be > 0")
+        require(self.horizon > 0, "algorithm.kl_ctrl.horizon", self.horizon, "must be > 0")
+
+
+@dataclass
+class PrivacyConfig:
+    """DP-SGD through Opacus. The privacy unit is one prompt with everything generated from it."""
+
+    enabled: bool = True
+    noise_multiplier: float = 0.3
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    grad_sample_mode: str = "hooks"
+    target_epsilon: float = 0.0  # > 0: derive noise_multiplier from it before training
+    epsilon_budget: float = 0.0  # > 0: a client refuses rounds that would spend past it
+    # Seed DP sampling and noise from trainer.seed. For tests and benchmarks only: whoever
+    # knows the seed can subtract the noise, which voids the guarantee.
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
+        require(self.max_grad_norm > 0, "privacy.max_grad_norm", self.max_grad_norm, "must be > 0")
+        require(0 < self.delta < 1, "privacy.delta", self.delta, "must be in (0, 1)")
+        require(self.accountant in ("rdp", "prv"), "privacy.accountant", self.accountant, "allowed: rdp, prv")
+        require(self.grad_sample_mode in GRAD_SAMPLE_MODES, "privacy.grad_sample_mode", self.grad_sample_mode,
+                f"allowed: {', '.join(GRAD_SAMPLE_MODES)}")
+        require(self.target_epsilon >= 0, "privacy.target_epsilon", self.target_epsilon, "must be >= 0 (0 = off)")
+        require(self.epsilon_budget >= 0, "privacy.epsilon_budget", self.epsilon_budget, "must be >= 0 (0 = none)")
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 0
+    local_iterations: int = 10  # RL iterations (rollout + update) per fit / per baseline round
+    num_threads: int = 1  # torch threads; one is fastest for tiny models on shared cores
+
+
+@dataclass
+class EngineConfig:
+    """Everything one client's local RL engine needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    custom_reward_function: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        batch, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
+        require(batch % mini == 0, "actor.ppo_mini_batch_size", mini,
+                f"must divide data.train_batch_size={batch}")
+        estimator = self.algorithm.adv_estimator
+        if estimator in GROUP_ESTIMATORS:
+            require(self.rollout.n >= 2, "rollout.n", self.rollout.n,
+                    f"must be >= 2 for algorithm.adv_estimator={estimator!r} (it compares responses of a prompt)")
+        if self.privacy.enabled:
+            require(estimator in DP_ESTIMATORS, "algorithm.adv_estimator", estimator,
+                    f"under privacy.enabled=true allowed: {', '.join(DP_ESTIMATORS)} "
+                    "(gae and reinforce_plus_plus whiten advantages over the batch, coupling privacy units)")
+            require(self.actor.policy_loss in DP_POLICY_LOSSES, "actor.policy_loss", self.actor.policy_loss,
+                    f"under privacy.enabled=true allowed: {', '.join(DP_POLICY_LOSSES)} "
+                    "(the others use batch statistics, coupling privacy units)")
+            require(self.actor.loss_agg_mode in PER_SEQUENCE_AGG_MODES, "actor.loss_agg_mode",
+                    self.actor.loss_agg_mode,
+                    f"under privacy.enabled=true allowed: {', '.join(PER_SEQUENCE_AGG_MODES)} "
+                    "(token-mean divides by the batch's token count, coupling privacy units)")
+            require(not (self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl_type == "adaptive"),
+                    "algorithm.kl_ctrl.type", self.algorithm.kl_ctrl_type,
+                    "under privacy.enabled=true only 'fixed' (an adaptive coefficient is fitted to batch statistics)")
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+
+# ----------------------------------------------------------------------------- federation
+@dataclass
+class SecAggConfig:
+    enabled: bool = True
+    num_shares: int = 3
+    reconstruction_threshold: int = 2
+    clipping_range: float = 1.0  # bound on |update| per coordinate; larger is an error, never clipped
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        require(self.num_shares >= 2, "secagg.num-shares", self.num_shares, "must be >= 2")
+        require(1 <= self.reconstruction_threshold <= self.num_shares, "secagg.reconstruction-threshold",
+                self.reconstruction_threshold, f"must be in [1, secagg.num-shares={self.num_shares}]")
+        require(self.clipping_range > 0, "secagg.clipping-range", self.clipping_range, "must be > 0")
+        require(self.timeout > 0, "secagg.timeout", self.timeout, "must be > 0")
+
+
+@dataclass
+class FederationConfig:
+    num_server_rounds: int = 8
+    fraction_fit: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_fit_clients: int = 3
+    min_evaluate_clients: int = 3
+    min_available_clients: int = 3
+    proximal_mu: float = 0.01
+    server_optimizer: str = "sgd"  # sgd (FedAvg/FedProx), momentum (FedAvgM), adam (FedAdam)
+    server_learning_rate: float = 1.0
+    server_momentum: float = 0.9
+    evaluate_every: int = 1
+    save_every: int = 1
+    output_dir: str = "outputs"
+    resume: bool = False
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    def __post_init__(self) -> None:
+        require(self.num_server_rounds >= 1, "num-server-rounds", self.num_server_rounds, "must be >= 1")
+        require(0 < self.fraction_fit <= 1, "fraction-fit", self.fraction_fit, "must be in (0, 1]")
+        require(0 <= self.fraction_evaluate <= 1, "fraction-evaluate", self.fraction_evaluate, "must be in [0, 1]")
+        for key in ("min_fit_clients", "min_evaluate_clients", "min_available_clients"):
+            require(getattr(self, key) >= 1, key.replace("_", "-"), getattr(self, key), "must be >= 1")
+        require(self.proximal_mu >= 0, "proximal-mu", self.proximal_mu, "must be >= 0 (0 = FedAvg)")
+        require(self.server_optimizer in ("sgd", "momentum", "adam"), "server-optimizer", self.server_optimizer,
+                "allowed: sgd, momentum, adam")
+        require(self.server_learning_rate > 0, "server-learning-rate", self.server_learning_rate, "must be > 0")
+        require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
+        require(self.evaluate_every >= 0, "evaluate-every", self.evaluate_every, "must be >= 0 (0 = never)")
+        require(self.save_every >= 1, "save-every", self.save_every, "must be >= 1")
+        if self.secagg.enabled:
+            require(self.secagg.num_shares <= self.min_fit_clients, "secagg.num-shares", self.secagg.num_shares,
+                    f"must be <= min-fit-clients={self.min_fit_clients} (shares go to other sampled clients)")
+
+
+@dataclass
+class RunConfig:
+    """The whole app's configuration: one engine config per client, one federation config."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+
+
+# ----------------------------------------------------------------------------- parsing
+# Keys whose spelling differs from the dataclass field that holds them.
+_ALIASES = {
+    "algorithm.kl_ctrl.type": "algorithm.kl_ctrl_type",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
+    "algorithm.kl_ctrl.target_kl": "algorithm.target_kl",
+    "algorithm.kl_ctrl.horizon": "algorithm.horizon",
+}
+
+
+def _fields(cls) -> dict[str, tuple[type, Any]]:
+    hints = get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        require(isinstance(value, bool), key, value, "must be true or false")
+    elif kind is int:
+        require(isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer")
+    elif kind is float:
+        require(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number")
+        value = float(value)
+    elif kind is str:
+        require(isinstance(value, str), key, value, "must be a string")
+    return value
+
+
+def _build(cls, values: dict[str, Any], prefix: str, kebab: bool):
+    """Instantiate ``cls`` from ``values`` (keys relative to ``prefix``), rejecting unknown keys."""
+    fields = _fields(cls)
+    nested = {name for name, (kind, _) in fields.items() if dataclasses.is_dataclass(kind)}
+    kwargs: dict[str, Any] = {}
+    grouped: dict[str, dict[str, Any]] = {name: {} for name in nested}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        name = head.replace("-", "_") if kebab else head
+        if name in nested and rest:
+            grouped[name][rest] = value
+        elif name in fields and name not in nested and not rest:
+            kwargs[name] = _coerce(prefix + key, value, fields[name][0])
+        else:
+            allowed = sorted((n.replace("_", "-") if kebab else n) for n in fields)
+            raise ConfigError(f"unknown config key {prefix + key!r}; allowed under {prefix or 'the top level'!r}: "
+                              f"{', '.join(allowed)}")
+    for name in nested:
+        kind = fields[name][0]
+        sub_prefix = f"{prefix}{name.replace('_', '-') if kebab else name}."
+        kwargs[name] = _build(kind, grouped[name], sub_prefix, kebab)
+    return cls(**kwargs)
+
+
+def parse_run_config(run_config: dict[str, Any]) -> RunConfig:
+    """Validate Flower's flat run config. Engine keys are verl-style, federation keys Flower-style."""
+    engine_sections = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine_values: dict[str, Any] = {}
+    federation_values: dict[str, Any] = {}
+    for key, value in run_config.items():
+        key = _ALIASES.get(key, key)
+        (engine_values if key.partition(".")[0] in engine_sections else federation_values)[key] = value
+    return RunConfig(
+        engine=_build(EngineConfig, engine_values, "", kebab=False),
+        federation=_build(FederationConfig, federation_values, "", kebab=True),
+    )
+
+
+def engine_config(**sections: dict[str, Any]) -> EngineConfig:
+    """Convenience for Python users: ``engine_config(actor={"lr": 1e-3}, rollout={"n": 4})``."""
+    flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
+    return parse_run_config(flat).engine
+

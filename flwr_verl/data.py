@@ -1,0 +1,168 @@
+"""Prompts: verl-format rows from parquet files or a task generator, split across clients.
+
+A row is a dict in verl's data format::
+
+    {"data_source": str,
+     "prompt": [{"role": "user", "content": str}, ...],
+     "reward_model": {"ground_truth": ...},
+     "extra_info": {...}}            # optional
+
+Rows are validated when loaded, so a malformed file fails before any training with the file,
+the row number and the missing field in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from flwr_verl import embedded
+from flwr_verl.config import DataConfig
+
+Row = dict[str, Any]
+ComputeScore = Callable[..., Any]
+
+
+class DataError(ValueError):
+    """A dataset is missing or a row is malformed."""
+
+
+# ----------------------------------------------------------------------------- parquet
+def validate_row(row: Row, where: str) -> Row:
+    """Check one verl-format row; ``where`` ("file.parquet row 3") prefixes any error."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise DataError(f"{where}: missing field 'prompt'")
+    prompt = list(prompt) if not isinstance(prompt, str) else prompt
+    if not prompt or isinstance(prompt, str) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt
+    ):
+        raise DataError(f"{where}: field 'prompt' must be a non-empty list of {{'role', 'content'}} messages")
+    if not isinstance(row.get("data_source"), str):
+        raise DataError(f"{where}: missing field 'data_source'")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise DataError(f"{where}: missing field 'reward_model.ground_truth'")
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise DataError(f"{where}: field 'extra_info' must be a mapping")
+    return {**row, "prompt": prompt, "extra_info": dict(extra_info)}
+
+
+def load_parquet_rows(files: str) -> list[Row]:
+    """Rows of comma-separated parquet ``files``, validated."""
+    import pyarrow.parquet as pq
+
+    rows: list[Row] = []
+    for name in [f.strip() for f in files.split(",") if f.strip()]:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{path}: dataset file not found")
+        try:
+            records = pq.read_table(path).to_pylist()
+        except Exception as error:  # pyarrow raises several types for a corrupt file
+            raise DataError(f"{path}: not a readable parquet file: {error}") from error
+        rows.extend(validate_row(record, f"{path} row {index}") for index, record in enumerate(records))
+    if not rows:
+        raise DataError(f"{files}: no rows")
+    return rows
+
+
+# ----------------------------------------------------------------------------- task generators
+def task_rows(task: str, size: int, seed: int, split: str) -> list[Row]:
+    """``size`` rows from a task generator."""
+    if task == "arithmetic":
+        return embedded.arithmetic_rows(size, seed, split)
+    name = task.removeprefix("reasoning_gym:")
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise DataError(f"data.task={task!r} needs the 'reasoning-gym' package: pip install reasoning-gym") from error
+    dataset = reasoning_gym.create_dataset(name, size=size, seed=seed + (0 if split == "train" else 1))
+    return [
+        {
+            "data_source": f"reasoning_gym/{name}",
+            "prompt": [{"role": "user", "content": entry["question"]}],
+            "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
+            # reasoning-gym scores an answer against its whole entry (answer and metadata).
+            "extra_info": {"split": split, "index": index, "reasoning_gym_entry": dict(entry)},
+        }
+        for index, entry in enumerate(dataset)
+    ]
+
+
+def task_compute_score(task: str) -> ComputeScore:
+    """The scorer that belongs to a task generator (verl's reward contract)."""
+    if task == "arithmetic":
+        return embedded.compute_score
+    return reasoning_gym_compute_score
+
+
+def reasoning_gym_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """reasoning-gym's own checker for the entry a row was generated from."""
+    import reasoning_gym
+
+    entry = extra_info["reasoning_gym_entry"]
+    score_answer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+    return float(score_answer(solution_str, entry))
+
+
+# ----------------------------------------------------------------------------- splitting
+def partition_rows(rows: list[Row], partition_id: int, num_partitions: int, config: DataConfig, seed: int) -> list[Row]:
+    """This client's share of ``rows``, through flwr-datasets' partitioners.
+
+    ``iid``: a uniform random split. ``dirichlet``: label skew over the values of the row
+    field ``data.partition_by`` (dotted paths reach into dicts), with concentration
+    ``data.dirichlet_alpha``; smaller alpha gives more skew.
+    """
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    if not 0 <= partition_id < num_partitions:
+        raise DataError(f"partition-id={partition_id} must be in [0, num-partitions={num_partitions})")
+    if num_partitions == 1:
+        return list(rows)
+    labels = [str(_field(row, config.partition_by)) for row in rows]
+    index = Dataset.from_dict({"row": list(range(len(rows))), "label": labels})
+    if config.partition == "iid":
+        partitioner = IidPartitioner(num_partitions=num_partitions)
+        index = index.shuffle(seed=seed)
+    else:
+        partitioner = DirichletPartitioner(
+            num_partitions=num_partitions, partition_by="label", alpha=config.dirichlet_alpha,
+            min_partition_size=1, self_balancing=True, seed=seed,
+        )
+    partitioner.dataset = index
+    return [rows[i] for i in partitioner.load_partition(partition_id)["row"]]
+
+
+def _field(row: Row, dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise DataError(f"data.partition_by={dotted!r}: rows have no field {dotted!r}")
+        value = value[part]
+    return value
+
+
+def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, num_partitions: int = 1) -> list[Row]:
+    """One client's rows for ``split`` ("train" or "val"). Task generators make the pooled set
+    (``size * num_partitions`` rows, seeded by the run seed) and split it like a file."""
+    files = config.train_files if split == "train" else config.val_files
+    if files:
+        rows = load_parquet_rows(files)
+    elif config.train_files:  # user data without a validation file: no held-out prompts
+        return []
+    else:
+        size = config.train_size if split == "train" else config.val_size
+        if size == 0:
+            return []
+        rows = task_rows(config.task, size * num_partitions, seed, split)
+    return partition_rows(rows, partition_id, num_partitions, config, seed)
+
+
+def prompt_text(row: Row, tokenizer) -> str:
+    """The prompt as the model sees it: the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    return (tokenizer.bos_token or "") + "\n".join(message["content"] for message in row["prompt"])

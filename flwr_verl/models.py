@@ -1,0 +1,195 @@
+"""Models and adapters: a causal LM with LoRA (the policy), an optional LoRA value model (the
+critic), and the adapter weights as the arrays that federated learning exchanges.
+
+The reference policy for KL is the policy with its adapter disabled
+(``peft_model.disable_adapter()``), so no second copy of the base weights exists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from flwr_verl.config import ModelConfig
+from flwr_verl.embedded import embedded_model_path
+
+
+class ModelLoadError(ValueError):
+    """The configured model cannot be loaded as a causal LM (or as a value model)."""
+
+
+class AdapterShapeError(ValueError):
+    """Received adapter arrays do not match this model's adapters."""
+
+
+def select_device(requested: str) -> torch.device:
+    """``auto`` picks CUDA when torch sees a GPU. verl's own detection says "cuda" on CPU-only hosts."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device='cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
+def resolve_model_path(config: ModelConfig) -> Path:
+    return Path(config.path) if config.path else embedded_model_path()
+
+
+def load_tokenizer(path: Path):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"model.path={str(path)!r} has no usable tokenizer: {error}") from error
+    tokenizer.padding_side = "left"  # generation continues from the right edge of every prompt
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _lora_config(config: ModelConfig, task_type: TaskType, modules_to_save: list[str] | None = None) -> LoraConfig:
+    targets = config.target_modules.strip()
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type=task_type,
+        modules_to_save=modules_to_save,
+    )
+
+
+def _dtype(config: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+
+
+def load_policy(config: ModelConfig, device: torch.device) -> PeftModel:
+    """The causal LM with fresh LoRA adapters; only adapter weights are trainable."""
+    path = resolve_model_path(config)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(config), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"model.path={str(path)!r} is not a loadable Hugging Face causal LM: {error}") from error
+    try:
+        model = get_peft_model(base, _lora_config(config, TaskType.CAUSAL_LM))
+    except ValueError as error:
+        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: {error}") from error
+    return model.to(device)
+
+
+def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
+    """A value model: the same base with a scalar token-classification head, LoRA-adapted.
+
+    The head is new, so it is trained in full (``modules_to_save``); the body only through LoRA.
+    """
+    path = resolve_model_path(config)
+    try:
+        base = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=_dtype(config), local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(
+            f"model.path={str(path)!r} has no token-classification variant for a critic "
+            f"(needed by algorithm.adv_estimator='gae'): {error}"
+        ) from error
+    head = next(name for name in ("score", "classifier") if hasattr(base, name))
+    model = get_peft_model(base, _lora_config(config, TaskType.TOKEN_CLS, modules_to_save=[head]))
+    return model.to(device)
+
+
+@dataclass
+class Models:
+    """Tokenizer, policy and (for gae) critic of one client, built once per process."""
+
+    tokenizer: object
+    policy: PeftModel
+    critic: PeftModel | None
+    device: torch.device
+
+    @property
+    def adapters(self) -> "AdapterSet":
+        models = {"policy": self.policy} if self.critic is None else {"policy": self.policy, "critic": self.critic}
+        return AdapterSet(models)
+
+
+def build_models(config: ModelConfig, with_critic: bool, seed: int = 0) -> Models:
+    """Load the base model(s) and attach fresh LoRA adapters.
+
+    Seeding first makes the fresh adapters identical in every process, so the server and the
+    clients start from the same global adapter without shipping it.
+    """
+    torch.manual_seed(seed)
+    device = select_device(config.device)
+    policy = load_policy(config, device)
+    tokenizer = load_tokenizer(resolve_model_path(config))
+    critic = load_critic(config, device) if with_critic else None
+    return Models(tokenizer=tokenizer, policy=policy, critic=critic, device=device)
+
+
+@dataclass
+class AdapterSet:
+    """The trainable weights of one or more PEFT models, as one ordered list of arrays.
+
+    Order: each model in the order given (policy first, then critic), and within a model the
+    order of ``named_parameters()``, which follows module registration and is therefore the
+    same in every process that builds the same architecture. ``names`` documents it.
+    """
+
+    models: dict[str, torch.nn.Module]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [
+            (f"{role}/{name}", param)
+            for role, model in self.models.items()
+            for name, param in model.named_parameters()
+            if param.requires_grad
+        ]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.named_parameters()]
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [param for _, param in self.named_parameters()]
+
+    def get_arrays(self) -> list[np.ndarray]:
+        return [param.detach().to("cpu", torch.float32).numpy().copy() for param in self.parameters]
+
+    def set_arrays(self, arrays: list[np.ndarray]) -> None:
+        named = self.named_parameters()
+        if len(arrays) != len(named):
+            raise AdapterShapeError(
+                f"expected {len(named)} adapter arrays (first {named[0][0]} {tuple(named[0][1].shape)}), "
+                f"received {len(arrays)}: {[tuple(np.shape(a)) for a in arrays][:4]}..."
+            )
+        for (name, param), array in zip(named, arrays):
+            if tuple(np.shape(array)) != tuple(param.shape):
+                raise AdapterShapeError(
+                    f"adapter array {name}: expected shape {tuple(param.shape)}, received {tuple(np.shape(array))}"
+                )
+        with torch.no_grad():
+            for param, array in zip(self.parameters, arrays):
+                param.copy_(torch.as_tensor(np.asarray(array), dtype=param.dtype, device=param.device))
+
+    def num_parameters(self) -> int:
+        return sum(param.numel() for param in self.parameters)
+
+    def save(self, directory: Path) -> None:
+        """One standard PEFT adapter directory per model (``policy/``, ``critic/``)."""
+        for role, model in self.models.items():
+            model.save_pretrained(Path(directory) / role)
+        (Path(directory) / "adapter_order.json").write_text(json.dumps(self.names, indent=1))
+
+
+def load_adapter_into(model: PeftModel, directory: Path) -> None:
+    """Load a saved PEFT adapter directory into an already-built PEFT model (same LoRA config)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))

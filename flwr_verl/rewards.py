@@ -1,0 +1,81 @@
+"""Rewards through verl's contract and verl's ``NaiveRewardManager``.
+
+A reward function is ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``
+returning a float or a dict with a ``"score"`` float, exactly as in verl. It is chosen as in
+verl's ``custom_reward_function``: a ``path`` to a Python file and a function ``name``; without
+one, the task generator's scorer, else verl's ``default_compute_score``.
+
+Scores are checked: a function that raises, or returns NaN, infinity or a non-number, stops the
+run with a ``RewardError`` naming the function and the prompt. It is never turned into 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+from pathlib import Path
+from typing import Any, Callable
+
+from flwr_verl._verl import NaiveRewardManager, default_compute_score
+from flwr_verl.config import DataConfig, RewardConfig
+from flwr_verl.data import task_compute_score
+
+ComputeScore = Callable[..., Any]
+PROMPT_KEY = "prompt_text"  # extra_info key that carries the decoded prompt, for error messages
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not a finite number."""
+
+
+def load_function(path: str, name: str) -> ComputeScore:
+    """``name`` from the Python file at ``path`` (verl's custom_reward_function)."""
+    file = Path(path)
+    if not file.is_file():
+        raise RewardError(f"custom_reward_function.path={path!r}: file not found")
+    spec = importlib.util.spec_from_file_location(f"flwr_verl_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise RewardError(f"custom_reward_function.path={path!r} failed to import: {error!r}") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardError(f"custom_reward_function.name={name!r}: no such function in {path}")
+    return function
+
+
+def resolve_compute_score(reward: RewardConfig, data: DataConfig) -> ComputeScore:
+    if reward.path:
+        return load_function(reward.path, reward.name)
+    if not data.train_files:
+        return task_compute_score(data.task)
+    return default_compute_score
+
+
+def checked(compute_score: ComputeScore) -> ComputeScore:
+    """Wrap ``compute_score`` so that failures and non-numbers raise a clear ``RewardError``."""
+    label = f"{getattr(compute_score, '__module__', '?')}.{getattr(compute_score, '__qualname__', compute_score)}"
+
+    def checked_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        extra_info = extra_info or {}
+        where = f"reward function {label} on prompt {extra_info.get(PROMPT_KEY, '?')!r} (data_source={data_source!r})"
+        try:
+            result = compute_score(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                extra_info={k: v for k, v in extra_info.items() if k != PROMPT_KEY},
+            )
+        except Exception as error:
+            raise RewardError(f"{where} raised {error!r}") from error
+        score = result.get("score") if isinstance(result, dict) else result
+        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(float(score)):
+            raise RewardError(f"{where} returned {result!r}; expected a finite float or a dict with a 'score' float")
+        return {**result, "score": float(score)} if isinstance(result, dict) else float(score)
+
+    return checked_compute_score
+
+
+def make_reward_manager(tokenizer, compute_score: ComputeScore) -> NaiveRewardManager:
+    """verl's reward manager around a checked ``compute_score``: DataProto in, token-level scores out."""
+    return NaiveRewardManager(tokenizer=tokenizer, num_examine=0, compute_score=checked(compute_score))

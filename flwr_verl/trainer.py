@@ -1,0 +1,292 @@
+"""The local RL engine: verl's PPO family on LoRA adapters, one client, one process.
+
+One iteration, top to bottom (B prompts, n responses each, R = response length):
+
+1. sample B prompt rows (Poisson under DP)
+2. rollout: B*n responses                                   -> DataProto (B*n, P+R)
+3. reward: verl's NaiveRewardManager                        -> token_level_scores (B*n, R)
+4. log-probs under the rollout policy and the reference     -> old_log_probs, ref_log_prob (B*n, R)
+   (the reference is the same model with the adapter disabled); values for gae (B*n, R)
+5. KL in the reward (verl's apply_kl_penalty), advantages (verl's compute_advantage)
+6. ppo_epochs x mini-batches of prompts: verl's policy loss (+ entropy, + KL loss), AdamW on
+   adapter weights; DP-SGD through Opacus when privacy is on; FedProx's term when anchored;
+   the critic's verl value loss for gae.
+
+Everything RL-specific (estimators, losses, KL, reward contract, DataProto) is verl's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flwr_verl._verl import (
+    AlgoConfig,
+    DataProto,
+    KLControlConfig,
+    VerlActorConfig,
+    apply_kl_penalty,
+    compute_advantage,
+    core_algos,
+    verl_F,
+)
+from flwr_verl.config import EngineConfig
+from flwr_verl.data import Row
+from flwr_verl.models import Models, build_models
+from flwr_verl.privacy import (
+    History,
+    PrivateTraining,
+    make_private,
+    pool_units,
+    record_iterations,
+    sample_rate,
+    split_units,
+)
+from flwr_verl.proximal import add_proximal_gradient, proximal_term
+from flwr_verl.rewards import make_reward_manager, resolve_compute_score
+from flwr_verl.rollout import generate
+
+
+@dataclass
+class FitResult:
+    """What one call to ``LocalPPOTrainer.fit`` did."""
+
+    metrics: list[dict[str, float]]  # one dict per iteration
+    privacy_history: History = field(default_factory=list)  # accountant history after this fit
+    noise_multiplier: float = 0.0
+
+
+class LocalPPOTrainer:
+    """Runs verl's PPO family on one client's prompts, updating only LoRA adapter weights."""
+
+    def __init__(self, config: EngineConfig, train_rows: list[Row], *, models: Models | None = None,
+                 compute_score=None) -> None:
+        torch.set_num_threads(config.trainer.num_threads)
+        self.config = config
+        self.train_rows = train_rows
+        self.models = models or build_models(config.model, config.needs_critic, seed=config.trainer.seed)
+        self.policy, self.critic, self.tokenizer = self.models.policy, self.models.critic, self.models.tokenizer
+        score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
+        self.reward_fn = make_reward_manager(self.tokenizer, score)
+        actor, algorithm = config.actor, config.algorithm
+        self.actor_config = VerlActorConfig(
+            strategy="fsdp", rollout_n=config.rollout.n, ppo_mini_batch_size=actor.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=actor.ppo_mini_batch_size, use_torch_compile=False,
+            clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
+            use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+            ppo_epochs=actor.ppo_epochs,
+        )
+        self.algo_config = AlgoConfig(
+            gamma=algorithm.gamma, lam=algorithm.lam, adv_estimator=algorithm.adv_estimator,
+            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo, use_kl_in_reward=algorithm.use_kl_in_reward,
+            kl_penalty=algorithm.kl_penalty,
+            kl_ctrl=KLControlConfig(type=algorithm.kl_ctrl_type, kl_coef=algorithm.kl_coef,
+                                    target_kl=algorithm.target_kl, horizon=algorithm.horizon),
+        )
+        self.kl_ctrl = core_algos.get_kl_controller(self.algo_config.kl_ctrl)
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss)
+        self.num_mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
+
+    # ------------------------------------------------------------------ public API
+    def fit(self, iterations: int, *, anchor: list[torch.Tensor] | None = None, proximal_mu: float = 0.0,
+            privacy_history: History | None = None, noise_multiplier: float | None = None,
+            seed: int = 0) -> FitResult:
+        """Run ``iterations`` RL iterations. ``anchor`` (the global policy adapter) and
+        ``proximal_mu`` add FedProx's term; ``privacy_history`` is the accountant history so far."""
+        cfg = self.config
+        sample_rate(cfg.data.train_batch_size, len(self.train_rows))  # batch must fit the prompts
+        generator = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+        torch.manual_seed(seed)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        anchor = [a.detach().clone() for a in anchor] if anchor is not None else [p.detach().clone() for p in params]
+        self._proximal = (params, anchor, proximal_mu)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        self.critic_optimizer = (
+            torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic.lr)
+            if self.critic is not None else None
+        )
+        self.private: PrivateTraining | None = None
+        sigma = cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if cfg.privacy.enabled:
+            self.private = make_private(
+                self.policy, self.optimizer, len(self.train_rows), cfg.privacy,
+                batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
+                noise_multiplier=sigma, after_noise=lambda _: add_proximal_gradient(*self._proximal),
+                seed=seed if cfg.privacy.deterministic else None,
+            )
+            batches = itertools.cycle(self.private.sampler)
+        else:
+            loader = torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.arange(len(self.train_rows))),
+                batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True, generator=generator)
+            batches = itertools.cycle(loader)
+        history = list(privacy_history or [])
+        try:
+            metrics = [self.iteration(next(batches)[0].tolist()) for _ in range(iterations)]
+        finally:
+            if self.private is not None:
+                self.private.close()
+        if self.private is not None:
+            history = record_iterations(history, sigma, cfg.actor.ppo_epochs, self.private.sample_rate, iterations)
+        return FitResult(metrics=metrics, privacy_history=history, noise_multiplier=sigma if self.private else 0.0)
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[Row]) -> dict[str, float]:
+        """Greedy decoding on ``rows``: mean reward, and accuracy (share of rewards >= 1)."""
+        if not rows:
+            return {}
+        batch = generate(self.policy, self.tokenizer, rows, self.config.rollout,
+                         self.config.data.max_prompt_length, n=1, greedy=True)
+        scores = self.reward_fn(batch).sum(-1)
+        return {"reward": scores.mean().item(), "accuracy": (scores >= 1.0).float().mean().item()}
+
+    # ------------------------------------------------------------------ one iteration
+    def iteration(self, prompt_indices: list[int]) -> dict[str, float]:
+        cfg, timings = self.config, {}
+        rows = [self.train_rows[i] for i in prompt_indices]
+        if not rows:  # an empty Poisson draw is still a round of (noise-only) DP steps
+            for _ in range(cfg.actor.ppo_epochs * self.num_mini_batches):
+                self.private.noise_only_step()
+            return {"prompts": 0.0}
+
+        with _timed(timings, "rollout"):
+            batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length)
+        with _timed(timings, "reward"):
+            batch.batch["token_level_scores"] = self.reward_fn(batch)
+            if cfg.algorithm.adv_estimator == "remax":  # baseline: reward of the greedy response
+                greedy = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
+                                  n=1, greedy=True)
+                baseline = self.reward_fn(greedy).sum(-1)
+                batch.batch["reward_baselines"] = baseline.repeat_interleave(cfg.rollout.n)
+        with _timed(timings, "log_prob"):
+            batch.batch["old_log_probs"] = self._log_probs(batch)
+            with self.policy.disable_adapter():
+                batch.batch["ref_log_prob"] = self._log_probs(batch)
+            if self.critic is not None:
+                batch.batch["values"] = self._values(batch)
+        metrics: dict[str, float] = {}
+        with _timed(timings, "advantage"):
+            if cfg.algorithm.use_kl_in_reward:
+                batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                metrics.update(kl_metrics)
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            batch = compute_advantage(
+                batch, cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                num_repeat=cfg.rollout.n, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                config=self.algo_config,
+            )
+        with _timed(timings, "update"):
+            metrics.update(self._update(batch, num_units=len(rows)))
+
+        mask = batch.batch["response_mask"].float()
+        kl = core_algos.kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], "low_var_kl")
+        metrics.update({
+            "prompts": float(len(rows)),
+            "reward_mean": batch.batch["token_level_scores"].sum(-1).mean().item(),
+            "response_length": mask.sum(-1).mean().item(),
+            "kl": verl_F.masked_mean(kl, mask).item(),
+            "proximal_term": proximal_term(*self._proximal).item(),
+            **{f"time_{phase}": seconds for phase, seconds in timings.items()},
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward_policy(self, batch: DataProto, with_entropy: bool = False):
+        """Log-probs (and entropy) of the response tokens: (rows, R)."""
+        responses = batch.batch["responses"]
+        logits = self.policy(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                             position_ids=batch.batch["position_ids"]).logits
+        logits = logits[:, -responses.shape[1] - 1: -1] / self.config.rollout.temperature  # (rows, R, V)
+        log_prob = verl_F.logprobs_from_logits(logits, responses)
+        entropy = verl_F.entropy_from_logits(logits) if with_entropy else None
+        return log_prob, entropy
+
+    @torch.no_grad()
+    def _log_probs(self, batch: DataProto) -> torch.Tensor:
+        self.policy.eval()
+        return self._forward_policy(batch)[0]
+
+    def _values(self, batch: DataProto, grad: bool = False) -> torch.Tensor:
+        """Critic values at the positions that predict each response token: (rows, R)."""
+        responses = batch.batch["responses"]
+        with torch.set_grad_enabled(grad):
+            values = self.critic(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                                 position_ids=batch.batch["position_ids"]).logits.squeeze(-1)
+        return values[:, -responses.shape[1] - 1: -1] * batch.batch["response_mask"]
+
+    # ------------------------------------------------------------------ the update
+    def _update(self, batch: DataProto, num_units: int) -> dict[str, float]:
+        """ppo_epochs passes; each splits the prompts (units) into the configured mini-batches."""
+        cfg, n = self.config, self.config.rollout.n
+        totals: dict[str, list[float]] = defaultdict(list)
+        self.policy.train()
+        for _ in range(cfg.actor.ppo_epochs):
+            for units in split_units(num_units, self.num_mini_batches, self.rng):
+                if len(units) == 0:  # only under DP: an empty chunk of a small Poisson draw
+                    self.private.noise_only_step()
+                    continue
+                rows = (units[:, None] * n + np.arange(n)).reshape(-1)  # each unit's n adjacent rows
+                mini_batch = batch.select_idxs(np.sort(rows))
+                for key, value in self._actor_step(mini_batch).items():
+                    totals[key].append(value)
+                if self.critic is not None:
+                    for key, value in self._critic_step(mini_batch).items():
+                        totals[key].append(value)
+        self.policy.eval()
+        return {key: float(np.mean(values)) for key, values in totals.items()}
+
+    def _actor_step(self, mb: DataProto) -> dict[str, float]:
+        actor, mask = self.config.actor, mb.batch["response_mask"]
+        log_prob, entropy = self._forward_policy(mb, with_entropy=actor.entropy_coeff > 0)
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            old_log_prob=mb.batch["old_log_probs"], log_prob=log_prob, advantages=mb.batch["advantages"],
+            response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=self.actor_config,
+        )
+        loss = pg_loss
+        if actor.entropy_coeff > 0:
+            loss = loss - actor.entropy_coeff * core_algos.agg_loss(entropy, mask, actor.loss_agg_mode)
+        if actor.use_kl_loss:
+            kld = core_algos.kl_penalty(log_prob, mb.batch["ref_log_prob"], actor.kl_loss_type)
+            loss = loss + actor.kl_loss_coef * core_algos.agg_loss(kld, mask, actor.loss_agg_mode)
+        loss.backward()
+        if self.private is not None:
+            pool_units(self.private.optimizer.params, self.config.rollout.n)
+            self.private.optimizer.step()  # clip per prompt, add noise, then FedProx's term
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._proximal[0], actor.grad_clip)
+            pg_metrics["actor/grad_norm"] = grad_norm.item()
+            add_proximal_gradient(*self._proximal)
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        return {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0),
+                **{k.removeprefix("actor/"): v for k, v in pg_metrics.items() if k != "actor/pg_clipfrac"}}
+
+    def _critic_step(self, mb: DataProto) -> dict[str, float]:
+        critic = self.config.critic
+        vpreds = self._values(mb, grad=True)
+        vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+            vpreds=vpreds, returns=mb.batch["returns"], values=mb.batch["values"],
+            response_mask=mb.batch["response_mask"], cliprange_value=critic.cliprange_value,
+            loss_agg_mode=self.config.actor.loss_agg_mode,
+        )
+        vf_loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.critic.parameters() if p.requires_grad], critic.grad_clip)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad()
+        return {"vf_loss": vf_loss.item(), "vf_clipfrac": float(vf_clipfrac)}
+
+
+@contextmanager
+def _timed(timings: dict[str, float], phase: str):
+    start = time.perf_counter()
+    yield
+    timings[phase] = time.perf_counter() - start
