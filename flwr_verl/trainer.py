@@ -116,12 +116,14 @@ class LocalPPOTrainer:
         self.private: PrivateTraining | None = None
         sigma = cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier
         if cfg.privacy.enabled:
+            self.policy.train()  # Opacus validates the module in training mode
             self.private = make_private(
                 self.policy, self.optimizer, len(self.train_rows), cfg.privacy,
                 batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
                 noise_multiplier=sigma, after_noise=lambda _: add_proximal_gradient(*self._proximal),
                 seed=seed if cfg.privacy.deterministic else None,
             )
+            self.optimizer = self.private.optimizer  # clips per prompt, adds noise, then FedProx's term
             batches = itertools.cycle(self.private.sampler)
         else:
             loader = torch.utils.data.DataLoader(
@@ -259,13 +261,12 @@ class LocalPPOTrainer:
             loss = loss + actor.kl_loss_coef * core_algos.agg_loss(kld, mask, actor.loss_agg_mode)
         loss.backward()
         if self.private is not None:
-            pool_units(self.private.optimizer.params, self.config.rollout.n)
-            self.private.optimizer.step()  # clip per prompt, add noise, then FedProx's term
+            pool_units(self.optimizer.params, self.config.rollout.n)  # one gradient per prompt
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._proximal[0], actor.grad_clip)
             pg_metrics["actor/grad_norm"] = grad_norm.item()
             add_proximal_gradient(*self._proximal)
-            self.optimizer.step()
+        self.optimizer.step()
         self.optimizer.zero_grad()
         return {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0),
                 **{k.removeprefix("actor/"): v for k, v in pg_metrics.items() if k != "actor/pg_clipfrac"}}
