@@ -283,16 +283,18 @@ class EngineConfig:
 @dataclass
 class SecAggConfig:
     enabled: bool = True
-    num_shares: int = 3
-    reconstruction_threshold: int = 2
+    num_shares: int = 3  # clients that hold a share of each client's secrets
+    reconstruction_threshold: int = 2  # shares needed to unmask: the round survives num_shares - this dropouts
     clipping_range: float = 1.0  # bound on |update| per coordinate; larger is an error, never clipped
-    timeout: float = 120.0
+    max_weight: int = 0  # bound on any client's num_examples; 0 = derive from data.train_size
+    timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        require(self.num_shares >= 2, "secagg.num-shares", self.num_shares, "must be >= 2")
-        require(1 <= self.reconstruction_threshold <= self.num_shares, "secagg.reconstruction-threshold",
-                self.reconstruction_threshold, f"must be in [1, secagg.num-shares={self.num_shares}]")
+        require(self.num_shares >= 3, "secagg.num-shares", self.num_shares, "must be >= 3 (Flower's SecAgg+)")
+        require(2 <= self.reconstruction_threshold < self.num_shares, "secagg.reconstruction-threshold",
+                self.reconstruction_threshold, f"must be in [2, secagg.num-shares={self.num_shares})")
         require(self.clipping_range > 0, "secagg.clipping-range", self.clipping_range, "must be > 0")
+        require(self.max_weight >= 0, "secagg.max-weight", self.max_weight, "must be >= 0 (0 = auto)")
         require(self.timeout > 0, "secagg.timeout", self.timeout, "must be > 0")
 
 
@@ -310,8 +312,9 @@ class FederationConfig:
     server_momentum: float = 0.9
     evaluate_every: int = 1
     save_every: int = 1
-    output_dir: str = "outputs"
+    output_dir: str = "~/flwr_verl_runs"
     resume: bool = False
+    inject_failure_partition: int = -1  # tests: this partition's fit raises (-1 = none)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
     def __post_init__(self) -> None:

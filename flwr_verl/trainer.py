@@ -72,6 +72,7 @@ class LocalPPOTrainer:
         self.train_rows = train_rows
         self.models = models or build_models(config.model, config.needs_critic, seed=config.trainer.seed)
         self.policy, self.critic, self.tokenizer = self.models.policy, self.models.critic, self.models.tokenizer
+        self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]  # the LoRA weights
         score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
         self.reward_fn = make_reward_manager(self.tokenizer, score)
         actor, algorithm = config.actor, config.algorithm
@@ -105,7 +106,7 @@ class LocalPPOTrainer:
         generator = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
         torch.manual_seed(seed)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        params = self.policy_params
         anchor = [a.detach().clone() for a in anchor] if anchor is not None else [p.detach().clone() for p in params]
         self._proximal = (params, anchor, proximal_mu)
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)

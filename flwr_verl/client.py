@@ -1,0 +1,190 @@
+"""The Flower client: a ``NumPyClient`` that runs the local RL engine on one organisation's data.
+
+Each round the server sends the global adapter weights. ``fit`` loads them, runs
+``trainer.local_iterations`` RL iterations with FedProx's term anchored at them, and returns the
+*update* (new minus global adapter weights). Updates are small, so SecAgg+ quantises them with a
+small clipping range and fine steps; full weights would need a wider range and lose precision
+(``benchmarks/secagg_overhead.py`` measures both). Only adapter arrays ever leave the client.
+
+Per-client state that must outlive one message (the DP accountant's history) lives in the
+Flower ``Context.state``; models are cached per process, since Flower builds a fresh client for
+every message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context
+from flwr.app import Message
+from flwr.client import NumPyClient
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+from flwr_verl.config import EngineConfig
+from flwr_verl.data import Row, load_rows
+from flwr_verl.models import Models, build_models
+from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
+from flwr_verl.secagg import check_update
+from flwr_verl.trainer import LocalPPOTrainer
+
+STATE_KEY = "flwr_verl"
+STATUS_OK = "ok"
+STATUS_BUDGET = "privacy_budget_exhausted"
+
+_MODELS: dict[str, Models] = {}
+_ROWS: dict[str, list[Row]] = {}
+
+
+class NonFiniteUpdate(ValueError):
+    """Local training produced NaN or infinity; the update is not sent."""
+
+
+def cached_models(config: EngineConfig) -> Models:
+    """One set of models per process and model config (Flower re-creates clients per message)."""
+    key = repr((config.model, config.needs_critic, config.trainer.seed))
+    if key not in _MODELS:
+        _MODELS[key] = build_models(config.model, config.needs_critic, seed=config.trainer.seed)
+    return _MODELS[key]
+
+
+def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
+    key = repr((config.data, split, partition_id, num_partitions, config.trainer.seed))
+    if key not in _ROWS:
+        _ROWS[key] = load_rows(config.data, split, config.trainer.seed, partition_id, num_partitions)
+    return _ROWS[key]
+
+
+def _nbytes(arrays: list[np.ndarray]) -> int:
+    return int(sum(a.nbytes for a in arrays))
+
+
+class VerlClient(NumPyClient):
+    """Federated RLHF client: verl PPO on LoRA adapters, under Opacus DP, exchanging adapter updates."""
+
+    def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
+                 partition_id: int = 0, models: Models | None = None, state: ConfigRecord | None = None,
+                 compute_score=None) -> None:
+        self.config = config
+        self.partition_id = partition_id
+        self.train_rows, self.val_rows = train_rows, val_rows
+        self.trainer = LocalPPOTrainer(config, train_rows, models=models or cached_models(config),
+                                       compute_score=compute_score)
+        self.adapters = self.trainer.models.adapters
+        self.state = state if state is not None else ConfigRecord()
+
+    # ------------------------------------------------------------------ Flower API
+    def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
+        return self.adapters.get_arrays()
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+        start = time.perf_counter()
+        if config.get("fail_partition", -1) == self.partition_id:  # fault injection for tests
+            raise RuntimeError(f"injected failure in partition {self.partition_id}")
+        self.adapters.set_arrays(parameters)
+        iterations = int(config.get("local_iterations", self.config.trainer.local_iterations))
+        server_round = int(config.get("server_round", 0))
+        history = self._privacy_history(config)
+        privacy = self.config.privacy
+        sigma = self._noise_multiplier(config)
+        metrics: dict[str, Any] = {"partition_id": self.partition_id, "bytes_received": _nbytes(parameters)}
+
+        if privacy.enabled:
+            q = sample_rate(self.config.data.train_batch_size, len(self.train_rows))
+            planned = record_iterations(history, sigma, self.config.actor.ppo_epochs, q, iterations)
+            spent, would_spend = epsilon(history, privacy.delta, privacy.accountant), \
+                epsilon(planned, privacy.delta, privacy.accountant)
+            if privacy.epsilon_budget and would_spend > privacy.epsilon_budget:
+                # Refuse: a zero update with zero weight, which every aggregation ignores.
+                return [np.zeros_like(p) for p in parameters], 0, {
+                    **metrics, "status": STATUS_BUDGET, "epsilon_total": spent, "epsilon_round": 0.0,
+                    "epsilon_budget": privacy.epsilon_budget, "epsilon_next": would_spend,
+                    "privacy_history": json.dumps(history),
+                }
+
+        anchor = [torch.as_tensor(a) for a in parameters[: len(self.trainer.policy_params)]]
+        result = self.trainer.fit(
+            iterations, anchor=anchor, proximal_mu=float(config.get("proximal_mu", 0.0)),
+            privacy_history=history, noise_multiplier=sigma,
+            seed=self.config.trainer.seed + 100_003 * server_round + 7919 * self.partition_id,
+        )
+        update = [new - old for new, old in zip(self.adapters.get_arrays(), parameters)]
+        if not all(np.isfinite(a).all() for a in update):
+            raise NonFiniteUpdate(f"partition {self.partition_id}: the local update has NaN or inf; not sent")
+        if "secagg_clipping_range" in config:
+            check_update(update, len(self.train_rows), float(config["secagg_clipping_range"]),
+                         float(config["secagg_max_weight"]))
+
+        if privacy.enabled:
+            self.state["privacy_history"] = json.dumps(result.privacy_history)
+            total = epsilon(result.privacy_history, privacy.delta, privacy.accountant)
+            metrics.update(epsilon_total=total, epsilon_round=total - epsilon(history, privacy.delta,
+                                                                              privacy.accountant),
+                           noise_multiplier=sigma, privacy_history=json.dumps(result.privacy_history))
+        iters = [m for m in result.metrics if m.get("prompts", 0) > 0] or [{}]
+        metrics.update(
+            status=STATUS_OK,
+            reward_before=iters[0].get("reward_mean", math.nan), reward_after=iters[-1].get("reward_mean", math.nan),
+            reward_mean=float(np.mean([m.get("reward_mean", math.nan) for m in iters])),
+            kl=float(np.mean([m.get("kl", math.nan) for m in iters])),
+            response_length=float(np.mean([m.get("response_length", math.nan) for m in iters])),
+            pg_loss=float(np.mean([m.get("pg_loss", math.nan) for m in iters])),
+            bytes_sent=_nbytes(update),
+            time_fit=time.perf_counter() - start,
+            **{key: float(sum(m.get(key, 0.0) for m in result.metrics))
+               for key in ("time_rollout", "time_reward", "time_log_prob", "time_advantage", "time_update")},
+        )
+        return update, len(self.train_rows), metrics
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
+        self.adapters.set_arrays(parameters)
+        result = self.trainer.evaluate(self.val_rows)
+        if not result:
+            return 0.0, 0, {}
+        return 1.0 - result["reward"], len(self.val_rows), result
+
+    # ------------------------------------------------------------------ privacy state
+    def _privacy_history(self, config: dict[str, Any]) -> History:
+        """The longer of this client's own record and the server's ledger (which survives restarts)."""
+        own = json.loads(str(self.state.get("privacy_history", "[]")))
+        ledger = json.loads(str(config.get("privacy_ledger", "{}"))).get(str(self.partition_id), [])
+        longest = max([own, ledger], key=lambda h: sum(steps for *_, steps in h))
+        return [tuple(entry) for entry in longest]
+
+    def _noise_multiplier(self, config: dict[str, Any]) -> float:
+        privacy = self.config.privacy
+        if not privacy.enabled or not privacy.target_epsilon:
+            return privacy.noise_multiplier
+        total_iterations = int(config.get("planned_iterations", self.config.trainer.local_iterations))
+        q = sample_rate(self.config.data.train_batch_size, len(self.train_rows))
+        return noise_for_target_epsilon(privacy, q, total_iterations, self.config.actor.ppo_epochs)
+
+
+def secaggplus_when_requested(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``secaggplus_mod`` for messages of a SecAgg+ round; plain messages pass through.
+
+    One ClientApp thus serves runs with ``secagg.enabled`` true and false.
+    """
+    if msg.has_content() and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
+    """Build the client for this node: its partition comes from ``node_config``."""
+    partition_id = int(context.node_config.get("partition-id", 0))
+    num_partitions = int(context.node_config.get("num-partitions", 1))
+    if STATE_KEY not in context.state.config_records:
+        context.state.config_records[STATE_KEY] = ConfigRecord()
+    return VerlClient(
+        config,
+        cached_rows(config, "train", partition_id, num_partitions),
+        cached_rows(config, "val", partition_id, num_partitions),
+        partition_id=partition_id, state=context.state.config_records[STATE_KEY],
+    )

@@ -1,0 +1,84 @@
+"""SecAgg+ settings, derived so that the secure aggregate matches exact FedAvg to 1e-7.
+
+Flower's SecAgg+ (``secaggplus_mod`` on clients, ``SecAggPlusWorkflow`` on the server) weights
+each update on the client by ``round(n / max_weight * Q) / Q``, clips it to
+``[-clipping_range, clipping_range]``, and stochastically rounds it to ``Q`` levels
+(``quantization_range``). The server only ever sees the masked sum. Errors therefore come from
+
+- rounding: at most one step, ``2 * clipping_range / Q``, per client, scaled by
+  ``max_weight / sum(n)`` when the weighted mean is recovered;
+- clipping: unbounded. So it must never happen: clients check their update against
+  ``clipping_range`` and raise an error with the numbers instead of sending it.
+
+We take ``Q = 2**30`` (Flower rounds through int32, so Q must stay below 2**31) and a modulus
+of 2**40, which keeps the masked sum of up to 1024 clients from wrapping while int64 masks
+cannot overflow. With ``clipping_range = 1`` the rounding step is 1.9e-9.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flwr_verl.config import ConfigError, DataConfig, SecAggConfig
+
+QUANTIZATION_RANGE = 2**30
+MODULUS_RANGE = 2**40  # > 1024 clients * QUANTIZATION_RANGE
+
+
+class UpdateOutOfRange(ValueError):
+    """A client update would be clipped by SecAgg+ (silent damage), so it is not sent."""
+
+
+@dataclass(frozen=True)
+class SecAggParameters:
+    num_shares: int
+    reconstruction_threshold: int
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+    max_weight: float
+    timeout: float
+
+    def workflow_kwargs(self) -> dict:
+        return {
+            "num_shares": self.num_shares, "reconstruction_threshold": self.reconstruction_threshold,
+            "clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
+            "modulus_range": self.modulus_range, "max_weight": self.max_weight, "timeout": self.timeout,
+        }
+
+
+def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int) -> SecAggParameters:
+    """SecAgg+ settings for ``num_clients`` sampled clients per round."""
+    if config.num_shares > num_clients:
+        raise ConfigError(f"secagg.num-shares={config.num_shares} is invalid: must be <= the {num_clients} "
+                          "clients sampled per round")
+    if config.max_weight:
+        max_weight = float(config.max_weight)
+    elif data.train_files:
+        raise ConfigError("secagg.max-weight=0 (auto) is invalid with data.train_files: set it to an upper "
+                          "bound of any client's number of training prompts")
+    else:
+        # A task generator gives each client about data.train_size prompts (exactly, under iid).
+        max_weight = float(2 * data.train_size)
+    return SecAggParameters(
+        num_shares=config.num_shares, reconstruction_threshold=config.reconstruction_threshold,
+        clipping_range=config.clipping_range, quantization_range=QUANTIZATION_RANGE, modulus_range=MODULUS_RANGE,
+        max_weight=max_weight, timeout=config.timeout,
+    )
+
+
+def check_update(update: list[np.ndarray], num_examples: int, clipping_range: float, max_weight: float) -> None:
+    """Raise before sending an update that SecAgg+ would clip or overflow."""
+    largest = max((float(np.max(np.abs(a))) for a in update if a.size), default=0.0)
+    if largest > clipping_range:
+        raise UpdateOutOfRange(
+            f"update max |value| {largest:.4g} exceeds secagg.clipping-range={clipping_range}: SecAgg+ would clip it. "
+            "Raise secagg.clipping-range (costs precision) or lower actor.lr / trainer.local_iterations"
+        )
+    if num_examples > max_weight:
+        raise UpdateOutOfRange(
+            f"num_examples={num_examples} exceeds secagg.max-weight={max_weight:g}: SecAgg+ would overflow the "
+            "weighted update. Raise secagg.max-weight"
+        )
