@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import secrets
+import warnings
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,10 +34,16 @@ import torch
 from opacus import PrivacyEngine
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from flwr_verl.config import ConfigError, PrivacyConfig
+
+# Opacus warns that its secure RNG is off (we document what our seeding means instead), and
+# torch that backward hooks fire with no input requiring grad (true for frozen embeddings).
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 History = list[tuple[float, float, int]]  # Opacus accountant history: (noise multiplier, sample rate, steps)
 
@@ -146,20 +154,25 @@ def make_private(
     ``seed`` makes sampling and noise reproducible, for tests and benchmarks only: whoever
     knows the seed can subtract the noise. Without it both come from the OS's entropy.
     """
-    sample_rate(batch_size, num_prompts)  # validates q = batch_size / N before any work
+    q = sample_rate(batch_size, num_prompts)  # validates q = batch_size / N before any work
     seed = secrets.randbits(63) if seed is None else seed
-    prompt_indices = DataLoader(TensorDataset(torch.arange(num_prompts)), batch_size=batch_size,
-                                generator=torch.Generator().manual_seed(seed))
-    hooks, dp_optimizer, sampler = PrivacyEngine(accountant=config.accountant).make_private(
+    prompt_indices = DataLoader(TensorDataset(torch.arange(num_prompts)), batch_size=batch_size)
+    hooks, dp_optimizer, _ = PrivacyEngine(accountant=config.accountant).make_private(
         module=policy, optimizer=optimizer, data_loader=prompt_indices,
         noise_generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed + 1),
         noise_multiplier=noise_multiplier, max_grad_norm=config.max_grad_norm,
         poisson_sampling=True, grad_sample_mode=config.grad_sample_mode, wrap_model=False,
         loss_reduction="mean",
     )
-    # Opacus samples at q = 1 / ceil(N / batch_size). Every mini-batch step averages over the
-    # expected number of units in it, a constant, so the average reveals nothing.
-    dp_optimizer.expected_batch_size = sampler.sample_rate * num_prompts / num_mini_batches
+    # Opacus's own loader samples at 1 / ceil(N / batch_size), not at the q = batch_size / N that
+    # callers plan and account with, and stops after 1/q draws (a caller that cycles it replays
+    # the same draws, which voids the amplification by subsampling). Sample at exactly q, and
+    # without end: every draw is fresh.
+    sampler = DPDataLoader(prompt_indices.dataset, sample_rate=q, generator=torch.Generator().manual_seed(seed))
+    sampler.batch_sampler.steps = sys.maxsize
+    # Every mini-batch step averages over the expected number of units in it, a constant, so
+    # the average reveals nothing.
+    dp_optimizer.expected_batch_size = q * num_prompts / num_mini_batches
     # Replaces Opacus's accounting hook (it would count each epoch as a fresh subsampled step).
     dp_optimizer.step_hook = after_noise
     return PrivateTraining(optimizer=dp_optimizer, sampler=sampler, sample_rate=sampler.sample_rate, _hooks=hooks)

@@ -1,0 +1,527 @@
+"""DP-SGD through Opacus on the LoRA policy: per-unit gradients, clipping, noise, accounting.
+
+Offline and CPU-only: the embedded model (built once per machine and cached under
+``$FLWR_VERL_CACHE``) is loaded once for this module. Tests that change the adapter weights
+get them restored afterwards, and every test checks that it left no Opacus hooks behind.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants.analysis.prv import (
+    Domain,
+    PoissonSubsampledGaussianPRV,
+    TruncatedPrivacyRandomVariable,
+    compose_heterogeneous,
+    compute_safe_domain_size,
+    discretize,
+)
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from opacus.accountants.rdp import RDPAccountant
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from flwr_verl._verl import core_algos, verl_F
+from flwr_verl.config import ConfigError, PrivacyConfig, engine_config
+from flwr_verl.data import task_rows
+from flwr_verl.models import build_models
+from flwr_verl.privacy import (
+    PrivateTraining,
+    effective_noise_multiplier,
+    epsilon,
+    make_private,
+    noise_for_target_epsilon,
+    pool_units,
+    record_iterations,
+    sample_rate,
+)
+from flwr_verl.proximal import add_proximal_gradient
+from flwr_verl.rollout import generate
+from flwr_verl.trainer import LocalPPOTrainer
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::RuntimeWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
+)
+
+DELTA = 1e-5
+G, N_RESPONSES = 3, 4  # prompt groups (privacy units) x responses per prompt in the test batch
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    built = build_models(engine_config().model, with_critic=False, seed=0)
+    # Fresh LoRA B matrices are zero, which makes every lora_A gradient zero: a per-sample
+    # gradient check would then compare zeros with zeros. Move the adapters off their init.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in trainable(built.policy):
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return built
+
+
+@pytest.fixture(autouse=True)
+def restore_adapters(request):
+    """Give every test the same adapter weights, and check it detached Opacus."""
+    if "models" not in request.fixturenames:
+        yield
+        return
+    policy = request.getfixturevalue("models").policy
+    saved = [p.detach().clone() for p in trainable(policy)]
+    yield
+    attached = hasattr(policy, "autograd_grad_sample_hooks")
+    with torch.no_grad():
+        for param, value in zip(trainable(policy), saved):
+            param.copy_(value)
+            param.grad = None
+            for attr in ("grad_sample", "summed_grad"):
+                if hasattr(param, attr):
+                    delattr(param, attr)
+    policy.eval()
+    assert not attached, "Opacus hooks were left attached to the policy"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return task_rows("arithmetic", 64, seed=0, split="train")
+
+
+@pytest.fixture(scope="module")
+def batch(models, rows):
+    """G prompts x n sampled responses (adjacent rows per prompt), with fixed per-row advantages."""
+    config = engine_config()
+    torch.manual_seed(0)
+    data = generate(models.policy, models.tokenizer, rows[:G], config.rollout, config.data.max_prompt_length,
+                    n=N_RESPONSES)
+    generator = torch.Generator().manual_seed(1)
+    advantages = torch.randn(G * N_RESPONSES, 1, generator=generator)
+    data.batch["advantages"] = advantages.expand_as(data.batch["responses"]).contiguous()
+    assert data.batch["response_mask"].sum(-1).min() >= 1
+    return data
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def unit_rows(unit: int) -> np.ndarray:
+    return np.arange(unit * N_RESPONSES, (unit + 1) * N_RESPONSES)
+
+
+def policy_loss(policy, data) -> torch.Tensor:
+    """-(log_prob * advantage) per token, aggregated like the trainer (seq-mean-token-mean)."""
+    responses = data.batch["responses"]
+    logits = policy(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"],
+                    position_ids=data.batch["position_ids"]).logits
+    log_prob = verl_F.logprobs_from_logits(logits[:, -responses.shape[1] - 1: -1], responses)
+    return core_algos.agg_loss(-(log_prob * data.batch["advantages"]), data.batch["response_mask"],
+                               "seq-mean-token-mean")
+
+
+def attach(policy, optimizer, *, noise: float, max_grad_norm: float = 1.0, mode: str = "hooks",
+           batch_size: int = G, num_prompts: int = 4 * G, num_mini_batches: int = 1, after_noise=None,
+           seed: int = 0) -> PrivateTraining:
+    """Opacus on the policy exactly as the trainer does it (``make_private``)."""
+    policy.train()
+    return make_private(
+        policy, optimizer, num_prompts, PrivacyConfig(max_grad_norm=max_grad_norm, grad_sample_mode=mode),
+        batch_size=batch_size, num_mini_batches=num_mini_batches, noise_multiplier=noise,
+        after_noise=after_noise, seed=seed,
+    )
+
+
+def unit_gradients_alone(policy, data) -> list[list[torch.Tensor]]:
+    """Plain autograd (no Opacus hooks): each unit's gradient of its own mean loss, computed alone."""
+    params = trainable(policy)
+    return [list(torch.autograd.grad(policy_loss(policy, data.select_idxs(unit_rows(u))), params))
+            for u in range(G)]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def rdp_epsilon(sigma: float, q: float, steps: int, delta: float = DELTA) -> float:
+    """Independent RDP computation: Opacus's analysis functions, called directly."""
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders)
+    return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+
+def prv_epsilon(history, delta: float = DELTA, eps_error: float = 0.01) -> float:
+    """Independent PRV computation (Gopi et al.) from Opacus's analysis primitives."""
+    delta_error = delta / 1000
+    prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
+    counts = [steps for _, _, steps in history]
+    size = compute_safe_domain_size(prvs=prvs, max_self_compositions=counts, eps_error=eps_error,
+                                    delta_error=delta_error)
+    mesh = eps_error / np.sqrt(sum(counts) * np.log(12 / delta_error) / 2)
+    domain = Domain.create_aligned(-size, size, mesh)
+    dprvs = [discretize(TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max), domain) for prv in prvs]
+    return float(compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
+                 .compute_epsilon(delta, delta_error, eps_error)[2])
+
+
+def gaussian_epsilon(mu: float, delta: float = DELTA) -> float:
+    """Exact epsilon of a Gaussian mechanism with sensitivity / sigma = mu (Balle & Wang 2018)."""
+    return brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2) - delta, 0, 500)
+
+
+# ----------------------------------------------------------------------------- per-unit gradients
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode):
+    policy = models.policy
+    params = trainable(policy)
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, mode=mode)
+    try:
+        policy_loss(policy, batch).backward()
+        assert all(p.grad_sample.shape[0] == G * N_RESPONSES for p in private.optimizer.params)
+        pool_units(private.optimizer.params, N_RESPONSES)
+        pooled = [p.grad_sample.detach().clone() for p in params]
+        batch_grad = [p.grad.detach().clone() for p in params]
+        private.optimizer.zero_grad()
+    finally:
+        private.close()
+    assert all(g.shape == (G, *p.shape) for g, p in zip(pooled, params))
+
+    alone = unit_gradients_alone(policy, batch)
+    for unit in range(G):
+        got, want = flat(g[unit] for g in pooled), flat(alone[unit])
+        assert want.norm() > 1e-3, "degenerate check: the unit's gradient is zero"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # The batch loss is the mean of the units' losses, so its gradient is their mean.
+    torch.testing.assert_close(flat(g.mean(0) for g in pooled), flat(batch_grad), rtol=1e-4, atol=1e-6)
+    # Units differ: pooling did not just broadcast one gradient.
+    assert (flat(alone[0]) - flat(alone[1])).norm() > 1e-3
+
+
+# ----------------------------------------------------------------------------- clipping
+def test_noise_free_update_is_mean_of_clipped_unit_gradients(models, batch):
+    policy = models.policy
+    params = trainable(policy)
+    alone = unit_gradients_alone(policy, batch)
+    norms = torch.stack([flat(g).norm() for g in alone])
+    max_grad_norm = float(norms.median())  # some units clipped, at least one not
+    assert (norms > max_grad_norm * 1.01).any() and (norms <= max_grad_norm).any()
+    clipped = [[g * min(1.0, max_grad_norm / (norm.item() + 1e-6)) for g in grads]
+               for grads, norm in zip(alone, norms)]
+    expected_update = [sum(c[i] for c in clipped) / G for i in range(len(params))]
+
+    before = [p.detach().clone() for p in params]
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm)
+    try:
+        assert private.optimizer.expected_batch_size == G
+        policy_loss(policy, batch).backward()
+        pool_units(private.optimizer.params, N_RESPONSES)
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+    finally:
+        private.close()
+    update = [b - p.detach() for b, p in zip(before, params)]  # SGD, lr=1: the update is -grad
+    torch.testing.assert_close(flat(update), flat(expected_update), rtol=1e-4, atol=1e-6)
+    # The unclipped mean is measurably different: clipping really happened.
+    unclipped = flat(sum(g[i] for g in alone) / G for i in range(len(params)))
+    assert (unclipped - flat(expected_update)).norm() > 1e-3 * unclipped.norm()
+
+
+def test_no_unit_contributes_more_than_max_grad_norm(models, batch):
+    """Each unit alone through the DP optimizer (noise 0, averaging over 1): update = clip(g)."""
+    policy = models.policy
+    params = trainable(policy)
+    max_grad_norm = 0.05
+    alone = unit_gradients_alone(policy, batch)
+    assert all(flat(g).norm() > 2 * max_grad_norm for g in alone), "pick max_grad_norm below the gradients"
+    for unit in range(G):
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+        private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm,
+                         batch_size=1, num_prompts=4)
+        try:
+            policy_loss(policy, batch.select_idxs(unit_rows(unit))).backward()
+            pool_units(private.optimizer.params, N_RESPONSES)
+            private.optimizer.step()
+            private.optimizer.zero_grad()
+        finally:
+            private.close()
+        contribution = flat(s - p.detach() for s, p in zip(start, params))
+        assert contribution.norm() <= max_grad_norm * (1 + 1e-5)
+        assert contribution.norm() >= max_grad_norm * (1 - 1e-3)  # clipped to the bound, not beyond
+        direction = flat(alone[unit])
+        assert torch.nn.functional.cosine_similarity(contribution, direction, dim=0) > 0.9999
+        with torch.no_grad():
+            for param, value in zip(params, start):
+                param.copy_(value)
+
+
+# ----------------------------------------------------------------------------- noise
+def test_noise_std_is_sigma_times_clip_over_expected_batch(models):
+    policy = models.policy
+    params = trainable(policy)
+    sigma, max_grad_norm = 1.3, 0.7
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=sigma, max_grad_norm=max_grad_norm,
+                     batch_size=8, num_prompts=64, num_mini_batches=2, seed=123)
+    expected_std = sigma * max_grad_norm / 4  # expected batch per mini-batch: 8 prompts / 2
+    draws = []
+    try:
+        assert private.optimizer.expected_batch_size == 4
+        for _ in range(2):
+            before = flat(p.detach().clone() for p in params)
+            private.noise_only_step()
+            draws.append(before - flat(p.detach() for p in params))
+    finally:
+        private.close()
+    for noise in draws:
+        count = noise.numel()
+        assert count > 20_000
+        # std of the sample std of a normal: std / sqrt(2 count), about 0.4% here; allow 5 sigma.
+        assert noise.std().item() == pytest.approx(expected_std, rel=5 / math.sqrt(2 * count))
+        assert abs(noise.mean().item()) < 5 * expected_std / math.sqrt(count)
+    assert torch.corrcoef(torch.stack(draws))[0, 1].abs() < 0.05  # fresh noise every step
+
+
+# ----------------------------------------------------------------------------- training through the trainer
+def small_config(**privacy):
+    return engine_config(
+        data={"train_batch_size": 8, "train_size": 64},
+        actor={"ppo_mini_batch_size": 4, "lr": 1e-2},
+        privacy={"deterministic": True, **privacy},
+    )
+
+
+def test_lora_weights_change_under_dp(models, rows):
+    """Opacus + PEFT pitfall: adapters that never move while epsilon grows. Noise 0, so only
+    gradients through the per-sample hooks can move them."""
+    trainer = LocalPPOTrainer(small_config(), rows, models=models)
+    names = [name for name, p in models.policy.named_parameters() if p.requires_grad]
+    params = trainable(models.policy)
+    assert all("lora_" in name for name in names) and len(params) > 0
+    before = [p.detach().clone() for p in params]
+    result = trainer.fit(2, noise_multiplier=0.0, seed=0)
+    assert result.metrics[0]["prompts"] > 0
+    unchanged = [name for name, b, p in zip(names, before, params) if torch.equal(b, p.detach())]
+    assert not unchanged, f"LoRA weights did not change under DP-SGD: {unchanged}"
+    assert result.privacy_history == [(0.0, 8 / 64, 2)]
+    assert not hasattr(models.policy, "autograd_grad_sample_hooks"), "fit left Opacus hooks attached"
+
+
+def test_fit_records_multi_epoch_iterations_at_sigma_over_sqrt_k(models, rows):
+    trainer = LocalPPOTrainer(engine_config(
+        data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 4, "ppo_epochs": 4},
+        privacy={"deterministic": True, "noise_multiplier": 1.0}), rows[:40], models=models)
+    trainer.iteration = lambda indices: {"prompts": float(len(indices))}  # sampling and accounting only
+    result = trainer.fit(5, privacy_history=[(0.5, 8 / 40, 3)], seed=0)
+    assert result.privacy_history == [(0.5, 8 / 40, 8)]  # merged: the same (sigma/sqrt(4), q)
+
+
+def test_poisson_draws_are_fresh_and_at_rate_batch_over_n(models, rows):
+    """The sampler draws at exactly q = train_batch_size / N, and never replays its draws."""
+    num_prompts, batch_size = 18, 4  # Opacus's own loader would sample at 1/ceil(18/4) = 0.2
+    trainer = LocalPPOTrainer(engine_config(data={"train_batch_size": batch_size},
+                                            actor={"ppo_mini_batch_size": batch_size},
+                                            privacy={"deterministic": True}), rows[:num_prompts], models=models)
+    draws = []
+    trainer.iteration = lambda indices: draws.append(tuple(indices)) or {"prompts": float(len(indices))}
+    result = trainer.fit(400, seed=1)
+    q = batch_size / num_prompts
+    assert result.privacy_history == [(0.3, q, 400)]
+    period = math.ceil(num_prompts / batch_size)
+    assert draws[:period] != draws[period: 2 * period], "Poisson draws repeat: subsampling is not fresh"
+    assert len(set(draws)) > 300
+    counts = np.bincount([i for draw in draws for i in draw], minlength=num_prompts) / len(draws)
+    # Each prompt is included with probability q, independently (binomial std ~0.02 here).
+    assert np.abs(counts - q).max() < 0.1
+    assert np.mean([len(d) for d in draws]) == pytest.approx(batch_size, rel=0.1)
+
+
+def test_empty_poisson_draw_is_a_noise_only_step(models):
+    """With q = 1/2000 a draw is empty about a third of the time: it must still release noise."""
+    many_rows = task_rows("arithmetic", 2000, seed=1, split="train")
+    config = engine_config(data={"train_batch_size": 1}, actor={"ppo_mini_batch_size": 1},
+                           privacy={"deterministic": True, "noise_multiplier": 1.0})
+    trainer = LocalPPOTrainer(config, many_rows, models=models)
+    params = trainable(models.policy)
+    start = [p.detach().clone() for p in params]
+    for seed in range(30):
+        with torch.no_grad():
+            for param, value in zip(params, start):
+                param.copy_(value)
+        result = trainer.fit(1, seed=seed)
+        if result.metrics[0]["prompts"] == 0:
+            break
+    else:
+        pytest.fail("no empty Poisson draw in 30 seeds at q=1/2000")
+    assert result.metrics == [{"prompts": 0.0}]
+    assert result.privacy_history == [(1.0, 1 / 2000, 1)]  # the empty iteration is accounted
+    changed = [not torch.equal(s, p.detach()) for s, p in zip(start, params)]
+    assert all(changed), "an empty draw made no (noise) update"
+
+
+def test_proximal_gradient_is_added_after_noise_and_not_clipped(models, batch):
+    policy = models.policy
+    params = trainable(policy)
+    mu, max_grad_norm = 1e3, 1e-6
+    generator = torch.Generator().manual_seed(5)
+    offsets = [1e-3 * torch.randn(p.shape, generator=generator) for p in params]
+    anchor = [p.detach() - d for p, d in zip(params, offsets)]  # theta - anchor = offsets
+    before = [p.detach().clone() for p in params]
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm,
+                     batch_size=G, num_prompts=4 * G, num_mini_batches=1,
+                     after_noise=lambda _: add_proximal_gradient(params, anchor, mu))
+    try:
+        assert private.optimizer.expected_batch_size == G  # a term added before scaling would shrink G-fold
+        policy_loss(policy, batch).backward()
+        pool_units(private.optimizer.params, N_RESPONSES)
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+    finally:
+        private.close()
+    update = flat(b - p.detach() for b, p in zip(before, params))
+    proximal = flat(mu * d for d in offsets)
+    assert proximal.norm() > 1e3 * max_grad_norm
+    # update = clipped mean (norm <= max_grad_norm) + mu * (theta - anchor), the latter in full.
+    assert (update - proximal).norm() <= max_grad_norm * (1 + 1e-3) + 1e-5 * proximal.norm()
+
+
+# ----------------------------------------------------------------------------- accounting
+@pytest.mark.parametrize(("sigma", "q", "steps", "reference"), [
+    (1.0, 0.016, 1000, 3.40),
+    (0.8, 0.016, 100, 2.84),
+    (1.5, 0.016, 100, 0.63),
+])
+def test_rdp_epsilon_matches_independent_computation(sigma, q, steps, reference):
+    history = record_iterations([], sigma, 1, q, steps)
+    assert history == [(sigma, q, steps)]
+    ours = epsilon(history, DELTA)
+    assert ours == pytest.approx(rdp_epsilon(sigma, q, steps), rel=1e-9)
+    assert ours == pytest.approx(reference, abs=0.006)
+
+
+def test_multi_epoch_iteration_is_one_step_at_sigma_over_sqrt_k():
+    sigma, q, iterations, epochs = 1.0, 0.016, 1000, 4
+    history = record_iterations([], sigma, epochs, q, iterations)
+    assert history == [(sigma / 2, q, iterations)]
+    honest = epsilon(history, DELTA)
+    assert honest == pytest.approx(rdp_epsilon(sigma / 2, q, iterations), rel=1e-9)
+    assert honest == pytest.approx(22.5, abs=0.01)  # the notes' honest figure
+    undercounted = rdp_epsilon(sigma, q, epochs * iterations)  # Opacus's step hook: K fresh steps
+    assert undercounted == pytest.approx(6.9, abs=0.05)
+    assert honest > 3 * undercounted
+
+
+def test_history_composes_across_fits_and_noise_levels():
+    q = 0.05
+    history = record_iterations([], 1.2, 1, q, 30)
+    history = record_iterations(history, 1.2, 1, q, 50)  # same mechanism: merged
+    assert history == [(1.2, q, 80)]
+    history = record_iterations(history, 1.2, 2, q, 20)  # two epochs: a new mechanism
+    assert history == [(1.2, q, 80), (1.2 / math.sqrt(2), q, 20)]
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=q, noise_multiplier=1.2, steps=80, orders=orders) + \
+        compute_rdp(q=q, noise_multiplier=1.2 / math.sqrt(2), steps=20, orders=orders)
+    assert epsilon(history, DELTA) == pytest.approx(get_privacy_spent(orders=orders, rdp=rdp, delta=DELTA)[0],
+                                                   rel=1e-9)
+    assert epsilon([], DELTA) == 0.0
+    assert epsilon([(0.0, q, 1)], DELTA) == math.inf
+
+
+def test_prv_epsilon_matches_independent_computation():
+    history = [(1.0, 0.016, 1000)]
+    ours = epsilon(history, DELTA, accountant="prv")
+    assert ours == pytest.approx(prv_epsilon(history), rel=1e-6)
+    assert ours == pytest.approx(3.06, abs=0.01)  # the notes' reference
+    assert ours < epsilon(history, DELTA)  # PRV is tighter than RDP here
+    multi = record_iterations([], 1.0, 4, 0.016, 250)
+    assert epsilon(multi, DELTA, accountant="prv") == pytest.approx(prv_epsilon([(0.5, 0.016, 250)]), rel=1e-6)
+
+
+def test_multi_epoch_composition_is_exact_without_subsampling():
+    """At q = 1, K releases at sigma are exactly one Gaussian mechanism with mu = sqrt(K)/sigma:
+    the PRV accountant of the recorded history must match the closed form (its error is 0.01)."""
+    sigma, epochs, iterations = 2.0, 4, 10
+    history = record_iterations([], sigma, epochs, 1.0, iterations)
+    exact = gaussian_epsilon(math.sqrt(epochs * iterations) / sigma)
+    ours = epsilon(history, DELTA, accountant="prv")
+    assert exact - 1e-3 <= ours <= exact + 0.02
+    # K independent steps at sigma are the same mechanism at q = 1: also exact.
+    assert epsilon([(sigma, 1.0, epochs * iterations)], DELTA, accountant="prv") == pytest.approx(ours, abs=0.02)
+
+
+# ----------------------------------------------------------------------------- target epsilon
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_noise_for_target_epsilon_meets_the_target(target, epochs):
+    config = PrivacyConfig(target_epsilon=target)
+    q, iterations = 0.05, 240
+    sigma = noise_for_target_epsilon(config, q, iterations, epochs)
+    spent = epsilon(record_iterations([], sigma, epochs, q, iterations), config.delta)
+    assert target - 0.02 <= spent <= target + 1e-6
+    assert effective_noise_multiplier(sigma, epochs) == pytest.approx(sigma / math.sqrt(epochs))
+    # The least such noise: 1% less overspends.
+    assert epsilon(record_iterations([], sigma * 0.99, epochs, q, iterations), config.delta) > target
+
+
+def test_noise_for_target_epsilon_prv():
+    config = PrivacyConfig(target_epsilon=3.0, accountant="prv")
+    sigma = noise_for_target_epsilon(config, 0.1, 24, 1)
+    spent = epsilon(record_iterations([], sigma, 1, 0.1, 24), config.delta, accountant="prv")
+    assert 3.0 - 0.02 <= spent <= 3.0 + 1e-6
+
+
+def test_impossible_target_epsilon_raises_config_error():
+    # RDP's conversion to (epsilon, delta) cannot go below about 0.1 at delta=1e-5, whatever sigma.
+    with pytest.raises(ConfigError, match="privacy.target_epsilon"):
+        noise_for_target_epsilon(PrivacyConfig(target_epsilon=0.01), 1.0, 1000, 1)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("section", "values", "key"), [
+    ("privacy", {"noise_multiplier": -0.1}, "privacy.noise_multiplier"),
+    ("privacy", {"max_grad_norm": 0.0}, "privacy.max_grad_norm"),
+    ("privacy", {"max_grad_norm": -1.0}, "privacy.max_grad_norm"),
+    ("privacy", {"delta": 0.0}, "privacy.delta"),
+    ("privacy", {"delta": 1.0}, "privacy.delta"),
+    ("privacy", {"delta": 1.5}, "privacy.delta"),
+    ("privacy", {"grad_sample_mode": "ghost"}, "privacy.grad_sample_mode"),
+    ("privacy", {"grad_sample_mode": "bogus"}, "privacy.grad_sample_mode"),
+    ("privacy", {"accountant": "gdp2"}, "privacy.accountant"),
+    ("algorithm", {"adv_estimator": "gae"}, "algorithm.adv_estimator"),
+    ("algorithm", {"adv_estimator": "reinforce_plus_plus"}, "algorithm.adv_estimator"),
+    ("actor", {"loss_agg_mode": "token-mean"}, "actor.loss_agg_mode"),
+    ("algorithm", {"use_kl_in_reward": True, "kl_ctrl_type": "adaptive"}, "algorithm.kl_ctrl.type"),
+])
+def test_bad_privacy_settings_raise_config_error_naming_the_key(section, values, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        engine_config(**{section: values})
+
+
+@pytest.mark.parametrize(("section", "values"), [
+    ("algorithm", {"adv_estimator": "gae"}),
+    ("algorithm", {"adv_estimator": "reinforce_plus_plus"}),
+    ("actor", {"loss_agg_mode": "token-mean"}),
+    ("algorithm", {"use_kl_in_reward": True, "kl_ctrl_type": "adaptive"}),
+])
+def test_batch_coupled_settings_are_fine_without_privacy(section, values):
+    engine_config(**{section: values}, privacy={"enabled": False})  # the rejection above is DP-specific
+
+
+@pytest.mark.parametrize(("batch_size", "num_prompts"), [(33, 32), (0, 32), (1, 0)])
+def test_sample_rate_outside_unit_interval_raises(batch_size, num_prompts):
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        sample_rate(batch_size, num_prompts)
+
+
+def test_batch_larger_than_prompts_fails_before_training(models, rows):
+    trainer = LocalPPOTrainer(engine_config(data={"train_batch_size": 32}), rows[:20], models=models)
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        trainer.fit(1)
+    params = trainable(models.policy)
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        make_private(models.policy, torch.optim.SGD(params, lr=1.0), 20, PrivacyConfig(),
+                     batch_size=32, num_mini_batches=1, noise_multiplier=1.0)
+    assert not hasattr(models.policy, "autograd_grad_sample_hooks")
