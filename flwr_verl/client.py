@@ -27,7 +27,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from flwr_verl.config import EngineConfig
+from flwr_verl.config import EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models
 from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
@@ -42,7 +42,7 @@ _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
 
 
-class NonFiniteUpdate(ValueError):
+class NonFiniteUpdate(FlwrVerlError, ValueError):
     """Local training produced NaN or infinity; the update is not sent."""
 
 

@@ -32,7 +32,12 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 GRAD_SAMPLE_MODES = ("hooks", "functorch")
 
 
-class ConfigError(ValueError):
+class FlwrVerlError(Exception):
+    """Base of the errors flwr-verl raises for bad input or a failed run. The message is written
+    for users: it names what is wrong and what is allowed, so no traceback is needed."""
+
+
+class ConfigError(FlwrVerlError, ValueError):
     """A configuration value is invalid. The message names the key, the value and what is allowed."""
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flwr_verl import embedded
-from flwr_verl.config import DataConfig
+from flwr_verl.config import DataConfig, FlwrVerlError
 
 Row = dict[str, Any]
 ComputeScore = Callable[..., Any]
 
 
-class DataError(ValueError):
+class DataError(FlwrVerlError, ValueError):
     """A dataset is missing or a row is malformed."""
 
 

@@ -16,15 +16,15 @@ import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from flwr_verl.config import ModelConfig
+from flwr_verl.config import FlwrVerlError, ModelConfig
 from flwr_verl.embedded import embedded_model_path
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(FlwrVerlError, ValueError):
     """The configured model cannot be loaded as a causal LM (or as a value model)."""
 
 
-class AdapterShapeError(ValueError):
+class AdapterShapeError(FlwrVerlError, ValueError):
     """Received adapter arrays do not match this model's adapters."""
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flwr_verl._verl import NaiveRewardManager, default_compute_score
-from flwr_verl.config import DataConfig, RewardConfig
+from flwr_verl.config import DataConfig, FlwrVerlError, RewardConfig
 from flwr_verl.data import task_compute_score
 
 ComputeScore = Callable[..., Any]
 PROMPT_KEY = "prompt_text"  # extra_info key that carries the decoded prompt, for error messages
 
 
-class RewardError(RuntimeError):
+class RewardError(FlwrVerlError, RuntimeError):
     """A reward function failed or returned something that is not a finite number."""
 
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flwr_verl.config import ConfigError, DataConfig, SecAggConfig
+from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig
 
 QUANTIZATION_RANGE = 2**30
 MODULUS_RANGE = 2**40  # > 1024 clients * QUANTIZATION_RANGE
 
 
-class UpdateOutOfRange(ValueError):
+class UpdateOutOfRange(FlwrVerlError, ValueError):
     """A client update would be clipped by SecAgg+ (silent damage), so it is not sent."""
 
 

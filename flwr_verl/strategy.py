@@ -40,14 +40,14 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
-from flwr_verl.config import FederationConfig
+from flwr_verl.config import FederationConfig, FlwrVerlError
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
 MAX_METRICS = ("epsilon_total", "epsilon_round")  # the federation is as private as its least private client
 SUM_METRICS = ("bytes_received", "bytes_sent")
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(FlwrVerlError, RuntimeError):
     """No client update could be aggregated in a round."""
 
 
