@@ -17,7 +17,6 @@ Everything RL-specific (estimators, losses, KL, reward contract, DataProto) is v
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -125,12 +124,12 @@ class LocalPPOTrainer:
                 seed=seed if cfg.privacy.deterministic else None,
             )
             self.optimizer = self.private.optimizer  # clips per prompt, adds noise, then FedProx's term
-            batches = itertools.cycle(self.private.sampler)
+            batches = _forever(self.private.sampler)
         else:
             loader = torch.utils.data.DataLoader(
                 torch.utils.data.TensorDataset(torch.arange(len(self.train_rows))),
                 batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True, generator=generator)
-            batches = itertools.cycle(loader)
+            batches = _forever(loader)
         history = list(privacy_history or [])
         try:
             metrics = [self.iteration(next(batches)[0].tolist()) for _ in range(iterations)]
@@ -285,6 +284,13 @@ class LocalPPOTrainer:
         self.critic_optimizer.step()
         self.critic_optimizer.zero_grad()
         return {"vf_loss": vf_loss.item(), "vf_clipfrac": float(vf_clipfrac)}
+
+
+def _forever(loader):
+    """Batches from ``loader`` pass after pass, each pass drawn afresh (a new shuffle, new Poisson
+    draws). ``itertools.cycle`` would replay the first pass's batches."""
+    while True:
+        yield from loader
 
 
 @contextmanager

@@ -1,0 +1,231 @@
+"""What differential privacy costs in reward: the embedded task at epsilon 1, 3, 8 and without DP.
+
+The default federated run is emulated in one process, without Flower's transport: ``--clients``
+clients (3), each with its own share of the prompts (``flwr_verl.data.load_rows``, iid), run
+``--local-iterations`` (10) RL iterations per round from the global adapter, with FedProx's
+term (``--proximal-mu``), and the server averages their updates (FedAvg, server learning rate 1)
+for ``--iterations / --local-iterations`` rounds. This is what the ClientApp and ServerApp do,
+minus the messages (SecAgg+ changes the sum by less than 1e-4).
+
+Each client's noise multiplier is set by ``privacy.target_epsilon`` through
+``noise_for_target_epsilon`` for its planned ``--iterations`` local iterations, so each client
+spends exactly the target (delta = 1e-5, RDP); the privacy unit is one prompt with its responses.
+Every setting uses the same seed(s), data and iteration budget, and ``privacy.deterministic`` for
+reproducibility (never in production: a known seed reveals the noise).
+
+The reward is the greedy exact-match accuracy of the global adapter on ``--eval-size`` held-out
+problems (0: all 2500 problems of the task, no sampling error), before training and after each
+round. Reported: final reward per setting, and the share of the non-private reward gain kept
+at each epsilon (goal at epsilon 8: >= 90%).
+
+    python benchmarks/dp_utility.py [--iterations 80] [--train-size 2048] [--seeds 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def all_problems(limit: int) -> list[dict]:
+    """The task's problems as verl rows: every a+b with a, b <= max_operand, or a fixed sample."""
+    import random
+
+    from flwr_verl import embedded
+
+    top = embedded.RECIPE["max_operand"]
+    pairs = [(a, b) for a in range(top + 1) for b in range(top + 1)]
+    if limit:
+        pairs = random.Random(12345).sample(pairs, min(limit, len(pairs)))
+    return [
+        {"data_source": embedded.DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+         "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"split": "eval"}}
+        for a, b in pairs
+    ]
+
+
+def engine(args, *, private: bool, seed: int):
+    from flwr_verl.config import engine_config
+
+    return engine_config(
+        data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
+        actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": args.lr,
+               "ppo_epochs": args.ppo_epochs},
+        privacy={"enabled": private, "max_grad_norm": args.max_grad_norm, "deterministic": True},
+        trainer={"seed": seed, "local_iterations": args.local_iterations},
+    )
+
+
+def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict]) -> dict:
+    """One emulated federated run; ``target_epsilon`` None trains without DP."""
+    import numpy as np
+    import torch
+
+    from flwr_verl.data import load_rows
+    from flwr_verl.models import build_models
+    from flwr_verl.privacy import epsilon, noise_for_target_epsilon, sample_rate
+    from flwr_verl.trainer import LocalPPOTrainer
+
+    private = target_epsilon is not None
+    config = engine(args, private=private, seed=seed)
+    models = build_models(config.model, config.needs_critic, seed=seed)  # one cache per process, as in the app
+    trainers = [LocalPPOTrainer(config, load_rows(config.data, "train", seed, pid, args.clients), models=models)
+                for pid in range(args.clients)]
+    adapters = models.adapters
+    sigma = 0.0
+    if private:
+        q = sample_rate(config.data.train_batch_size, min(len(t.train_rows) for t in trainers))
+        sigma = noise_for_target_epsilon(dataclasses.replace(config.privacy, target_epsilon=target_epsilon), q,
+                                         args.iterations, config.actor.ppo_epochs)
+    histories = [[] for _ in trainers]
+    global_arrays = adapters.get_arrays()
+    weights = np.array([len(t.train_rows) for t in trainers], dtype=np.float64)
+    weights /= weights.sum()
+    curve = [trainers[0].evaluate(eval_rows)["reward"]]
+    train_reward = []
+    rounds = math.ceil(args.iterations / args.local_iterations)
+    start = time.perf_counter()
+    for server_round in range(1, rounds + 1):
+        iterations = min(args.local_iterations, args.iterations - (server_round - 1) * args.local_iterations)
+        updates, rewards = [], []
+        for pid, trainer in enumerate(trainers):
+            adapters.set_arrays(global_arrays)
+            result = trainer.fit(
+                iterations, anchor=[torch.as_tensor(a) for a in global_arrays], proximal_mu=args.proximal_mu,
+                privacy_history=histories[pid], noise_multiplier=sigma if private else None,
+                seed=seed + 100_003 * server_round + 7919 * pid,
+            )
+            histories[pid] = result.privacy_history
+            updates.append([new - old for new, old in zip(adapters.get_arrays(), global_arrays)])
+            rewards += [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
+        global_arrays = [g + sum(w * u[i] for w, u in zip(weights, updates)) for i, g in enumerate(global_arrays)]
+        adapters.set_arrays(global_arrays)
+        curve.append(trainers[0].evaluate(eval_rows)["reward"])
+        train_reward.append(float(np.mean(rewards)) if rewards else math.nan)
+    spent = max(epsilon(h, config.privacy.delta) for h in histories) if private else None
+    return {"target_epsilon": target_epsilon, "seed": seed, "noise_multiplier": sigma, "epsilon_spent": spent,
+            "eval_reward_per_round": curve, "train_reward_per_round": train_reward,
+            "initial_reward": curve[0], "final_reward": curve[-1], "seconds": time.perf_counter() - start}
+
+
+def summarize(runs: list[dict]) -> dict:
+    import numpy as np
+
+    by_setting: dict[str, list[dict]] = {}
+    for item in runs:
+        key = "no_dp" if item["target_epsilon"] is None else f"eps_{item['target_epsilon']:g}"
+        by_setting.setdefault(key, []).append(item)
+    base = by_setting["no_dp"]
+    base_gain = np.mean([r["final_reward"] - r["initial_reward"] for r in base])
+    summary = {}
+    for key, items in by_setting.items():
+        gain = float(np.mean([r["final_reward"] - r["initial_reward"] for r in items]))
+        summary[key] = {
+            "final_reward": float(np.mean([r["final_reward"] for r in items])),
+            "initial_reward": float(np.mean([r["initial_reward"] for r in items])),
+            "reward_gain": gain,
+            "fraction_of_non_private_gain": gain / base_gain if base_gain > 0 else math.nan,
+            "noise_multiplier": items[0]["noise_multiplier"],
+            "epsilon_spent": items[0]["epsilon_spent"],
+        }
+    return summary
+
+
+def plot(runs: list[dict], summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"no_dp": "black", "eps_8": "tab:green", "eps_3": "tab:orange", "eps_1": "tab:red"}
+    for key in summary:
+        curves = np.array([r["eval_reward_per_round"] for r in runs
+                           if ("no_dp" if r["target_epsilon"] is None else f"eps_{r['target_epsilon']:g}") == key])
+        label = "no DP" if key == "no_dp" else f"epsilon {key[4:]} (sigma {summary[key]['noise_multiplier']:.2f})"
+        left.plot(range(curves.shape[1]), curves.mean(0), marker="o", label=label, color=colors.get(key))
+    left.set_xlabel("server round")
+    left.set_ylabel("greedy exact-match reward")
+    left.legend()
+    left.grid(alpha=0.3)
+    keys = [k for k in summary if k != "no_dp"]
+    fractions = [100 * summary[k]["fraction_of_non_private_gain"] for k in keys]
+    right.bar([k[4:] for k in keys], fractions, color=[colors.get(k, "gray") for k in keys])
+    right.axhline(90, color="gray", linestyle="--", label="goal at epsilon 8: 90%")
+    right.axhline(100, color="black", linewidth=0.8)
+    right.set_xlabel("epsilon (delta = 1e-5)")
+    right.set_ylabel("% of non-private reward gain kept")
+    right.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])
+    parser.add_argument("--iterations", type=int, default=80, help="local iterations per client, all rounds")
+    parser.add_argument("--local-iterations", type=int, default=10, help="local iterations per round")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--train-size", type=int, default=2048, help="prompts per client")
+    parser.add_argument("--train-batch-size", type=int, default=32, help="expected prompts per iteration")
+    parser.add_argument("--mini-batch-size", type=int, default=0, help="prompts per update (0: the whole batch)")
+    parser.add_argument("--ppo-epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--proximal-mu", type=float, default=0.01)
+    parser.add_argument("--seeds", type=int, default=1, help="repeat every setting over seeds 0..SEEDS-1")
+    parser.add_argument("--eval-size", type=int, default=0, help="held-out problems (0: all 2500)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for dp_utility.json and .png")
+    parser.add_argument("--name", default="dp_utility", help="file name stem of the outputs")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    eval_rows = all_problems(args.eval_size)
+    runs = []
+    started = time.perf_counter()
+    for seed in range(args.seeds):
+        for target in [None, *args.epsilons]:
+            result = run(args, target, seed, eval_rows)
+            runs.append(result)
+            label = "no DP" if target is None else f"eps {target:g} (sigma {result['noise_multiplier']:.3f}, " \
+                                                    f"spent {result['epsilon_spent']:.2f})"
+            print(f"seed {seed} {label:34s} reward {result['initial_reward']:.3f} -> {result['final_reward']:.3f}  "
+                  f"[{result['seconds']:.0f} s]", flush=True)
+    summary = summarize(runs)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
+    title = (f"{args.clients} clients x {args.iterations} local iterations ({args.local_iterations}/round), "
+             f"{args.train_size} prompts/client, batch {args.train_batch_size}, lr {args.lr:g}, "
+             f"C {args.max_grad_norm:g}, {args.seeds} seed(s)")
+    print(title)
+    for key, row in summary.items():
+        extra = "" if key == "no_dp" else f"  sigma {row['noise_multiplier']:.3f}  kept {100 * row['fraction_of_non_private_gain']:.0f}%"
+        print(f"  {key:7s} final reward {row['final_reward']:.3f}  gain {row['reward_gain']:+.3f}{extra}")
+    kept8 = summary.get("eps_8", {}).get("fraction_of_non_private_gain")
+    if kept8 is not None:
+        print(f"share of the non-private reward gain kept at epsilon 8: {100 * kept8:.0f}% (goal >= 90%)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"settings": settings, "summary": summary, "runs": runs,
+               "seconds": time.perf_counter() - started}
+    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
+    plot(runs, summary, args.out / f"{args.name}.png", title)
+    print(f"wrote {args.out / (args.name + '.json')} and {args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Shared fixtures. One torch thread: on a shared 2-core machine it is the fastest for the tiny
+embedded model. The embedded model is built once and cached under $FLWR_VERL_CACHE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+# A small engine: 8 prompts x 2 responses per iteration, two mini-batches, privacy off.
+TINY = {
+    "privacy": {"enabled": False},
+    "data": {"train_size": 32, "val_size": 16, "train_batch_size": 8},
+    "rollout": {"n": 2, "response_length": 6},
+    "actor": {"ppo_mini_batch_size": 4},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """``tiny_config(actor={"lr": 1e-2}, ...)``: the tiny engine config with sections merged in."""
+    from flwr_verl.config import engine_config
+
+    def make(**overrides):
+        sections = {name: dict(values) for name, values in TINY.items()}
+        for name, values in overrides.items():
+            sections.setdefault(name, {}).update(values)
+        return engine_config(**sections)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """The embedded model directory (built on first use, then cached)."""
+    from flwr_verl.embedded import embedded_model_path
+
+    return embedded_model_path()

@@ -1,0 +1,103 @@
+"""The reward contract: verl's compute_score, custom functions from a file, and checked scores."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from flwr_verl import embedded
+from flwr_verl._verl import default_compute_score
+from flwr_verl.config import DataConfig, RewardConfig
+from flwr_verl.data import load_rows
+from flwr_verl.models import build_models
+from flwr_verl.rewards import RewardError, load_function, resolve_compute_score
+from flwr_verl.trainer import LocalPPOTrainer
+
+REWARD_FILE = '''
+def exact(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+
+
+def quarter(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.25, "length": float(len(solution_str))}
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_config):
+    config = tiny_config()
+    return config, load_rows(config.data, "train", seed=0), build_models(config.model, with_critic=False)
+
+
+@pytest.fixture()
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    return path
+
+
+def test_custom_function_loads_from_path_and_name(reward_file):
+    score = resolve_compute_score(RewardConfig(path=str(reward_file), name="exact"), DataConfig())
+    assert score.__name__ == "exact"
+    assert score("any", " 42", "42") == 1.0 and score("any", "41", "42") == 0.0
+
+
+def test_default_scorers():
+    assert resolve_compute_score(RewardConfig(), DataConfig()) is embedded.compute_score
+    assert resolve_compute_score(RewardConfig(), DataConfig(train_files="x.parquet")) is default_compute_score
+
+
+def test_missing_function_or_broken_file_is_a_reward_error(reward_file, tmp_path):
+    with pytest.raises(RewardError, match="name='nope'"):
+        load_function(str(reward_file), "nope")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_xyz\n")
+    with pytest.raises(RewardError, match="failed to import"):
+        load_function(str(broken), "compute_score")
+
+
+def test_dict_with_score_from_configured_file_drives_training(setup, reward_file, tiny_config):
+    _, rows, models = setup
+    config = tiny_config(custom_reward_function={"path": str(reward_file), "name": "quarter"})
+    (metrics,) = LocalPPOTrainer(config, rows, models=models).fit(1).metrics
+    assert metrics["reward_mean"] == 0.25
+
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError("boom")
+
+
+def returns_nan(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan")
+
+
+def returns_text(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+
+def returns_inf(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": math.inf}
+
+
+def returns_none(data_source, solution_str, ground_truth, extra_info=None):
+    return None
+
+
+@pytest.mark.parametrize(
+    ("function", "detail"),
+    [(raises, "ValueError('boom')"), (returns_nan, "returned nan"), (returns_text, "returned '1.0'"),
+     (returns_inf, "returned {'score': inf}"), (returns_none, "returned None")],
+)
+def test_bad_reward_stops_training_naming_function_and_prompt(setup, function, detail):
+    config, rows, models = setup
+    trainer = LocalPPOTrainer(config, rows, compute_score=function, models=models)
+    with pytest.raises(RewardError) as error:
+        trainer.fit(1)
+    message = str(error.value)
+    assert f"{__name__}.{function.__name__}" in message and detail in message
+    prompt = re.search(r"on prompt '(?:<s>)?([^']*)'", message)
+    assert prompt and prompt.group(1) in {row["prompt"][0]["content"] for row in rows}, message
+    with pytest.raises(RewardError):  # evaluation checks scores too
+        trainer.evaluate(rows[:2])
