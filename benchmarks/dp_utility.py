@@ -67,8 +67,9 @@ def engine(args, *, private: bool, seed: int):
     )
 
 
-def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict]) -> dict:
-    """One emulated federated run; ``target_epsilon`` None trains without DP."""
+def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fixed_noise: float | None = None) -> dict:
+    """One emulated federated run; ``target_epsilon`` None trains without DP, unless ``fixed_noise``
+    gives the noise multiplier directly."""
     import numpy as np
     import torch
 
@@ -77,14 +78,16 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict]) ->
     from flwr_verl.privacy import epsilon, noise_for_target_epsilon, sample_rate
     from flwr_verl.trainer import LocalPPOTrainer
 
-    private = target_epsilon is not None
+    private = target_epsilon is not None or fixed_noise is not None
     config = engine(args, private=private, seed=seed)
     models = build_models(config.model, config.needs_critic, seed=seed)  # one cache per process, as in the app
     trainers = [LocalPPOTrainer(config, load_rows(config.data, "train", seed, pid, args.clients), models=models)
                 for pid in range(args.clients)]
     adapters = models.adapters
     sigma = 0.0
-    if private:
+    if fixed_noise is not None:
+        sigma = fixed_noise
+    elif private:
         q = sample_rate(config.data.train_batch_size, min(len(t.train_rows) for t in trainers))
         sigma = noise_for_target_epsilon(dataclasses.replace(config.privacy, target_epsilon=target_epsilon), q,
                                          args.iterations, config.actor.ppo_epochs)
@@ -114,9 +117,15 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict]) ->
         curve.append(trainers[0].evaluate(eval_rows)["reward"])
         train_reward.append(float(np.mean(rewards)) if rewards else math.nan)
     spent = max(epsilon(h, config.privacy.delta) for h in histories) if private else None
-    return {"target_epsilon": target_epsilon, "seed": seed, "noise_multiplier": sigma, "epsilon_spent": spent,
+    return {"target_epsilon": target_epsilon, "fixed_noise": fixed_noise, "seed": seed, "noise_multiplier": sigma, "epsilon_spent": spent,
             "eval_reward_per_round": curve, "train_reward_per_round": train_reward,
             "initial_reward": curve[0], "final_reward": curve[-1], "seconds": time.perf_counter() - start}
+
+
+def setting_key(item: dict) -> str:
+    if item.get("fixed_noise") is not None:
+        return f"sigma_{item['fixed_noise']:g}"
+    return "no_dp" if item["target_epsilon"] is None else f"eps_{item['target_epsilon']:g}"
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -124,10 +133,10 @@ def summarize(runs: list[dict]) -> dict:
 
     by_setting: dict[str, list[dict]] = {}
     for item in runs:
-        key = "no_dp" if item["target_epsilon"] is None else f"eps_{item['target_epsilon']:g}"
+        key = setting_key(item)
         by_setting.setdefault(key, []).append(item)
-    base = by_setting["no_dp"]
-    base_gain = np.mean([r["final_reward"] - r["initial_reward"] for r in base])
+    base = by_setting.get("no_dp", [])
+    base_gain = np.mean([r["final_reward"] - r["initial_reward"] for r in base]) if base else math.nan
     summary = {}
     for key, items in by_setting.items():
         gain = float(np.mean([r["final_reward"] - r["initial_reward"] for r in items]))
@@ -138,6 +147,7 @@ def summarize(runs: list[dict]) -> dict:
             "fraction_of_non_private_gain": gain / base_gain if base_gain > 0 else math.nan,
             "noise_multiplier": items[0]["noise_multiplier"],
             "epsilon_spent": items[0]["epsilon_spent"],
+            "seeds": len(items),
         }
     return summary
 
@@ -152,9 +162,9 @@ def plot(runs: list[dict], summary: dict, path: Path, title: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"no_dp": "black", "eps_8": "tab:green", "eps_3": "tab:orange", "eps_1": "tab:red"}
     for key in summary:
-        curves = np.array([r["eval_reward_per_round"] for r in runs
-                           if ("no_dp" if r["target_epsilon"] is None else f"eps_{r['target_epsilon']:g}") == key])
-        label = "no DP" if key == "no_dp" else f"epsilon {key[4:]} (sigma {summary[key]['noise_multiplier']:.2f})"
+        curves = np.array([r["eval_reward_per_round"] for r in runs if setting_key(r) == key])
+        label = "no DP" if key == "no_dp" else \
+            f"epsilon {summary[key]['epsilon_spent']:.2g} (sigma {summary[key]['noise_multiplier']:.2f})"
         left.plot(range(curves.shape[1]), curves.mean(0), marker="o", label=label, color=colors.get(key))
     left.set_xlabel("server round")
     left.set_ylabel("greedy exact-match reward")
@@ -162,7 +172,7 @@ def plot(runs: list[dict], summary: dict, path: Path, title: str) -> None:
     left.grid(alpha=0.3)
     keys = [k for k in summary if k != "no_dp"]
     fractions = [100 * summary[k]["fraction_of_non_private_gain"] for k in keys]
-    right.bar([k[4:] for k in keys], fractions, color=[colors.get(k, "gray") for k in keys])
+    right.bar([k.split("_", 1)[1] for k in keys], fractions, color=[colors.get(k, "gray") for k in keys])
     right.axhline(90, color="gray", linestyle="--", label="goal at epsilon 8: 90%")
     right.axhline(100, color="black", linewidth=0.8)
     right.set_xlabel("epsilon (delta = 1e-5)")
@@ -189,6 +199,9 @@ def main() -> None:
     parser.add_argument("--proximal-mu", type=float, default=0.01)
     parser.add_argument("--seeds", type=int, default=1, help="repeat every setting over seeds 0..SEEDS-1")
     parser.add_argument("--eval-size", type=int, default=0, help="held-out problems (0: all 2500)")
+    parser.add_argument("--noise-multipliers", type=float, nargs="*", default=[],
+                        help="extra DP runs at these fixed noise multipliers (diagnostics; 0 = clipping only)")
+    parser.add_argument("--skip-baseline", action="store_true", help="no non-private run (for sweeps)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for dp_utility.json and .png")
     parser.add_argument("--name", default="dp_utility", help="file name stem of the outputs")
     args = parser.parse_args()
@@ -197,18 +210,28 @@ def main() -> None:
 
     torch.set_num_threads(1)
     eval_rows = all_problems(args.eval_size)
+
+    def report(result: dict) -> None:
+        if result["noise_multiplier"] or result["fixed_noise"] is not None:
+            label = f"{setting_key(result)} (sigma {result['noise_multiplier']:.3f}, spent {result['epsilon_spent']:.2f})"
+        else:
+            label = "no DP"
+        print(f"seed {result['seed']} {label:36s} reward {result['initial_reward']:.3f} -> "
+              f"{result['final_reward']:.3f}  [{result['seconds']:.0f} s]", flush=True)
+
     runs = []
     started = time.perf_counter()
     for seed in range(args.seeds):
-        for target in [None, *args.epsilons]:
+        for target in ([] if args.skip_baseline else [None]) + list(args.epsilons):
             result = run(args, target, seed, eval_rows)
             runs.append(result)
-            label = "no DP" if target is None else f"eps {target:g} (sigma {result['noise_multiplier']:.3f}, " \
-                                                    f"spent {result['epsilon_spent']:.2f})"
-            print(f"seed {seed} {label:34s} reward {result['initial_reward']:.3f} -> {result['final_reward']:.3f}  "
-                  f"[{result['seconds']:.0f} s]", flush=True)
+            report(result)
+        for sigma in args.noise_multipliers:
+            result = run(args, None, seed, eval_rows, fixed_noise=sigma)
+            runs.append(result)
+            report(result)
     summary = summarize(runs)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "name")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "name", "skip_baseline")}
     title = (f"{args.clients} clients x {args.iterations} local iterations ({args.local_iterations}/round), "
              f"{args.train_size} prompts/client, batch {args.train_batch_size}, lr {args.lr:g}, "
              f"C {args.max_grad_norm:g}, {args.seeds} seed(s)")

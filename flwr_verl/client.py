@@ -9,10 +9,26 @@ small clipping range and fine steps; full weights would need a wider range and l
 Per-client state that must outlive one message (the DP accountant's history) lives in the
 Flower ``Context.state``; models are cached per process, since Flower builds a fresh client for
 every message.
+
+What a client refuses to send, and says why (each a ``FlwrVerlError`` that the ClientApp's
+``concise_errors`` mod turns into a one-line error reply naming the partition):
+
+- parameters of the wrong count or shape (another model's adapter): ``AdapterShapeError`` with
+  the expected and received shapes, before anything is trained;
+- an update with NaN or infinity: ``NonFiniteUpdate``;
+- an update that SecAgg+ would clip: ``UpdateOutOfRange``.
+
+A round that would spend more than the client's epsilon budget is refused, not failed: a zero
+update with weight 0 and ``status = "privacy_budget_exhausted"``. After every fit the client
+also reports ``epsilon_next`` (what one more round would bring it to), so the strategy stops
+sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
+config, or the node's own ``epsilon-budget`` in its node config, which takes precedence: the
+data owner, not the server, decides how much privacy its data may spend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,15 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context
-from flwr.app import Message
 from flwr.client import NumPyClient
-from flwr.client.mod import secaggplus_mod
-from flwr.clientapp.typing import ClientAppCallable
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from flwr_verl.config import EngineConfig, FlwrVerlError
+from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models
+from flwr_verl.mods import secaggplus_when_requested  # noqa: F401 - re-exported for existing imports
 from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
 from flwr_verl.secagg import check_update
 from flwr_verl.trainer import LocalPPOTrainer
@@ -37,6 +50,7 @@ from flwr_verl.trainer import LocalPPOTrainer
 STATE_KEY = "flwr_verl"
 STATUS_OK = "ok"
 STATUS_BUDGET = "privacy_budget_exhausted"
+NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, overrides the run config
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
@@ -85,9 +99,9 @@ class VerlClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         start = time.perf_counter()
+        self.adapters.set_arrays(parameters)  # AdapterShapeError names expected and received shapes
         if config.get("fail_partition", -1) == self.partition_id:  # fault injection for tests
             raise RuntimeError(f"injected failure in partition {self.partition_id}")
-        self.adapters.set_arrays(parameters)
         iterations = int(config.get("local_iterations", self.config.trainer.local_iterations))
         server_round = int(config.get("server_round", 0))
         history = self._privacy_history(config)
@@ -95,8 +109,8 @@ class VerlClient(NumPyClient):
         sigma = self._noise_multiplier(config)
         metrics: dict[str, Any] = {"partition_id": self.partition_id, "bytes_received": _nbytes(parameters)}
 
+        q = sample_rate(self.config.data.train_batch_size, len(self.train_rows)) if privacy.enabled else 0.0
         if privacy.enabled:
-            q = sample_rate(self.config.data.train_batch_size, len(self.train_rows))
             planned = record_iterations(history, sigma, self.config.actor.ppo_epochs, q, iterations)
             spent, would_spend = epsilon(history, privacy.delta, privacy.accountant), \
                 epsilon(planned, privacy.delta, privacy.accountant)
@@ -114,19 +128,26 @@ class VerlClient(NumPyClient):
             privacy_history=history, noise_multiplier=sigma,
             seed=self.config.trainer.seed + 100_003 * server_round + 7919 * self.partition_id,
         )
+        if privacy.enabled:  # spent whether or not the update is sent: record it first
+            self.state["privacy_history"] = json.dumps(result.privacy_history)
         update = [new - old for new, old in zip(self.adapters.get_arrays(), parameters)]
-        if not all(np.isfinite(a).all() for a in update):
-            raise NonFiniteUpdate(f"partition {self.partition_id}: the local update has NaN or inf; not sent")
+        if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
+            raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
+                                  f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
         if "secagg_clipping_range" in config:
             check_update(update, len(self.train_rows), float(config["secagg_clipping_range"]),
                          float(config["secagg_max_weight"]))
 
         if privacy.enabled:
-            self.state["privacy_history"] = json.dumps(result.privacy_history)
             total = epsilon(result.privacy_history, privacy.delta, privacy.accountant)
             metrics.update(epsilon_total=total, epsilon_round=total - epsilon(history, privacy.delta,
                                                                               privacy.accountant),
                            noise_multiplier=sigma, privacy_history=json.dumps(result.privacy_history))
+            if privacy.epsilon_budget:
+                after_next = record_iterations(result.privacy_history, sigma, self.config.actor.ppo_epochs, q,
+                                               iterations)
+                metrics.update(epsilon_budget=privacy.epsilon_budget,
+                               epsilon_next=epsilon(after_next, privacy.delta, privacy.accountant))
         iters = [m for m in result.metrics if m.get("prompts", 0) > 0] or [{}]
         metrics.update(
             status=STATUS_OK,
@@ -166,20 +187,12 @@ class VerlClient(NumPyClient):
         return noise_for_target_epsilon(privacy, q, total_iterations, self.config.actor.ppo_epochs)
 
 
-def secaggplus_when_requested(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower's ``secaggplus_mod`` for messages of a SecAgg+ round; plain messages pass through.
-
-    One ClientApp thus serves runs with ``secagg.enabled`` true and false.
-    """
-    if msg.has_content() and RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
-
-
 def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
-    """Build the client for this node: its partition comes from ``node_config``."""
+    """Build the client for this node: its partition (and optionally its own epsilon budget)
+    come from ``node_config``."""
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
+    config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
     if STATE_KEY not in context.state.config_records:
         context.state.config_records[STATE_KEY] = ConfigRecord()
     return VerlClient(
@@ -188,3 +201,13 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, state=context.state.config_records[STATE_KEY],
     )
+
+
+def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:
+    """``config`` with the node's own ``epsilon-budget`` (node config), when it sets one."""
+    if budget is None:
+        return config
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ConfigError(f"node config {NODE_EPSILON_BUDGET}={budget!r} is invalid: must be a number >= 0")
+    privacy = dataclasses.replace(config.privacy, epsilon_budget=float(budget))
+    return dataclasses.replace(config, privacy=privacy)

@@ -81,7 +81,7 @@ def generate(
         "data_source": np.array([row["data_source"] for row in repeated], dtype=object),
         "reward_model": np.array([row["reward_model"] for row in repeated], dtype=object),
         "extra_info": np.array([{**row.get("extra_info", {}), PROMPT_KEY: text}
-                                for row, text in zip(repeated, np.repeat(texts, n))], dtype=object),
+                                for row, text in zip(repeated, [t for t in texts for _ in range(n)])], dtype=object),
         "uid": np.repeat(np.arange(uid_offset, uid_offset + len(rows)), n).astype(object),
     })
     batch.batch["response_mask"] = compute_response_mask(batch)

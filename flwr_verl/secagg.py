@@ -77,7 +77,8 @@ def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int) 
 
 
 def exact_update(new: list[np.ndarray], old: list[np.ndarray]) -> list[np.ndarray]:
-    """``new - old`` in float64: exact for float32 inputs, and what SecAgg+ quantizes finely."""
+    """``new - old`` in float64, the update format SecAgg+ quantizes finely. For float32 weights
+    the difference is exact unless their magnitudes differ by more than 2**29."""
     return [np.asarray(n, dtype=np.float64) - np.asarray(o, dtype=np.float64) for n, o in zip(new, old, strict=True)]
 
 

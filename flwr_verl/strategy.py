@@ -11,6 +11,21 @@ What the server does each round:
    ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM, ``adam`` is FedAdam.
 3. Aggregate the clients' metrics: num_examples-weighted means, and the maximum epsilon.
 4. ``configure_evaluate``/``aggregate_evaluate``: greedy reward on the clients' held-out prompts.
+
+Faults, and what the strategy does about them:
+
+- A client that fails (its fit raised, it timed out, its node died) is a failure of the round:
+  logged with the client's own one-line reason and recorded in the round's ``failures``. Its
+  update is never aggregated. The round goes on with the other clients.
+- A round in which nothing can be aggregated raises ``RoundFailed`` carrying the clients'
+  messages: the run ends with that error, and the global adapter stays what it was after the
+  last completed round (which the run directory holds).
+- A result with NaN or infinity (or, under SecAgg+, a non-finite aggregate) is rejected, never
+  applied to the global adapter.
+- A client that refused a round for its privacy budget, or that reports that one more round
+  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again. When fewer than
+  ``min-fit-clients`` clients can still train, ``configure_fit`` raises ``StopFederation`` and
+  the server ends the run normally after the last completed round.
 """
 
 from __future__ import annotations
@@ -35,8 +50,10 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
+from flwr.app import Error
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
+from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
@@ -47,8 +64,38 @@ MAX_METRICS = ("epsilon_total", "epsilon_round")  # the federation is as private
 SUM_METRICS = ("bytes_received", "bytes_sent")
 
 
+STATUS_BUDGET = "privacy_budget_exhausted"  # what flwr_verl.client reports when it refuses a round
+MAX_REASON = 400  # characters of one client's failure reason kept in logs and errors
+
+
 class RoundFailed(FlwrVerlError, RuntimeError):
     """No client update could be aggregated in a round."""
+
+
+class StopFederation(Exception):
+    """Not an error: too few clients can still train (privacy budgets spent); end the run after
+    the last completed round."""
+
+
+def describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str:
+    """One line per failed client: its own reason, without Flower's wrapping or a traceback."""
+    if isinstance(failure, BaseException):
+        error = failure.args[0] if failure.args else failure
+        text = (f"{error.reason or ''} (Flower error code {error.code})" if isinstance(error, Error)
+                else f"{type(failure).__name__}: {failure}")
+    else:
+        proxy, res = failure
+        text = f"client {proxy.cid}: {res.status.code.name} {res.status.message}"
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
+class _Not(Criterion):
+    def __init__(self, excluded: set[str]) -> None:
+        self.excluded = excluded
+
+    def select(self, client: ClientProxy) -> bool:
+        return client.cid not in self.excluded
 
 
 def aggregate_metrics(metrics: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
@@ -88,6 +135,8 @@ class FedProxAdapters(Strategy):
         if server_optimizer_state:
             self.optimizer.load_state_dict(server_optimizer_state)
         self.round_record: dict = {}
+        self.last_completed_round = round_offset  # the round the global adapter comes from
+        self.exhausted: dict[str, str] = {}  # client cid -> why it is no longer sampled (privacy budget)
         self._round_start = time.perf_counter()
 
     def __repr__(self) -> str:
@@ -123,41 +172,73 @@ class FedProxAdapters(Strategy):
         if self.secure_aggregation:
             config.update(self.secure_aggregation)
         num_available = client_manager.num_available()
-        sample_size = max(int(num_available * self.config.fraction_fit), self.config.min_fit_clients)
-        clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients)
+        eligible = num_available - len(self.exhausted.keys() & set(client_manager.all()))
+        if self.exhausted and eligible < self.config.min_fit_clients:
+            raise StopFederation(
+                f"only {eligible} of {num_available} clients can train another round within their privacy "
+                f"budget (min-fit-clients={self.config.min_fit_clients}); stopping after round "
+                f"{self.last_completed_round}. Exhausted: {sorted(self.exhausted.values())}")
+        sample_size = min(max(int(eligible * self.config.fraction_fit), self.config.min_fit_clients), eligible)
+        clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients,
+                                        criterion=_Not(set(self.exhausted)) if self.exhausted else None)
         return [(client, FitIns(parameters, config)) for client in clients]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         round_number = server_round + self.round_offset
-        messages = [str(f) if isinstance(f, BaseException) else f"{f[0].cid}: {f[1].status.message}"
-                    for f in failures]
-        for message in messages:
-            log(WARNING, "round %s: client failure: %s", round_number, message)
-        contributing = [(proxy, res) for proxy, res in results if res.num_examples > 0]
+        messages = [describe_failure(f) for f in failures]
         for _, res in results:
             if "privacy_history" in res.metrics:
                 self.privacy_ledger[str(res.metrics["partition_id"])] = json.loads(str(res.metrics["privacy_history"]))
+        self._note_budgets(results)
+        refused = [(p, r) for p, r in results if r.metrics.get("status") == STATUS_BUDGET]
+        contributing = [(p, r) for p, r in results if r.num_examples > 0 and r.metrics.get("status") != STATUS_BUDGET]
+        if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
+            finite = [all(np.isfinite(a).all() for a in parameters_to_ndarrays(r.parameters)) for _, r in contributing]
+            messages += [f"client {p.cid} (partition {r.metrics.get('partition_id', '?')}): non-finite update "
+                         "rejected" for (p, r), ok in zip(contributing, finite) if not ok]
+            contributing = [pair for pair, ok in zip(contributing, finite) if ok]
+        for message in messages:
+            log(WARNING, "round %s: client failure: %s", round_number, message)
         if not contributing:
-            refused = [str(res.metrics.get("status")) for _, res in results]
-            raise RoundFailed(f"round {round_number}: no client update to aggregate "
-                              f"(answers: {refused}; failures: {messages})")
+            if refused and len(refused) == len(results) and not messages:
+                raise StopFederation(f"round {round_number}: every sampled client refused to train: its privacy "
+                                     f"budget is spent; stopping after round {self.last_completed_round}")
+            raise RoundFailed(f"round {round_number}: no client update to aggregate; "
+                              f"{len(refused)} refused for their privacy budget, {len(messages)} failed: "
+                              + ("; ".join(messages) or "no failure reported"))
         if self.secure_aggregation:
             # SecAgg+ hands every FitRes the same, already weighted, mean.
             mean_update = parameters_to_ndarrays(contributing[0][1].parameters)
+            if not all(np.isfinite(a).all() for a in mean_update):
+                raise RoundFailed(f"round {round_number}: the securely aggregated update is not finite; "
+                                  "the global adapter is left unchanged")
         else:
             mean_update = aggregate([(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in contributing])
         self._server_step(mean_update)
 
         metrics = aggregate_metrics([(r.num_examples, r.metrics) for _, r in contributing])
-        metrics.update(num_clients=len(contributing), num_failures=len(failures),
-                       num_refused=len(results) - len(contributing))
+        metrics.update(num_clients=len(contributing), num_failures=len(messages), num_refused=len(refused))
         self.round_record = {"round": round_number, "fit": metrics, "failures": messages,
+                             "clients": sorted(int(r.metrics.get("partition_id", -1)) for _, r in contributing),
                              "update_max_abs": float(max(np.abs(u).max() for u in mean_update))}
-        log(INFO, "round %s: reward %.3f -> %.3f, kl %.4f, epsilon %s", round_number,
-            metrics.get("reward_before", math.nan), metrics.get("reward_after", math.nan),
-            metrics.get("kl", math.nan), f"{metrics['epsilon_total']:.2f}" if "epsilon_total" in metrics else "off")
+        log(INFO, "round %s: reward %.3f -> %.3f, kl %.4f, epsilon %s, %s clients, %s failed, %s refused",
+            round_number, metrics.get("reward_before", math.nan), metrics.get("reward_after", math.nan),
+            metrics.get("kl", math.nan), f"{metrics['epsilon_total']:.2f}" if "epsilon_total" in metrics else "off",
+            len(contributing), len(messages), len(refused))
         return ndarrays_to_parameters(self.global_arrays), metrics
+
+    def _note_budgets(self, results: list[tuple[ClientProxy, FitRes]]) -> None:
+        """Stop sampling clients that refused, or that one more round would take past their budget."""
+        for proxy, res in results:
+            m = res.metrics
+            budget, after_next = float(m.get("epsilon_budget", 0.0) or 0.0), float(m.get("epsilon_next", 0.0) or 0.0)
+            if m.get("status") == STATUS_BUDGET or (budget and after_next > budget):
+                why = (f"partition {m.get('partition_id', '?')}: epsilon {float(m.get('epsilon_total', 0.0)):.3g} "
+                       f"spent, {after_next:.3g} after one more round > budget {budget:g}")
+                if proxy.cid not in self.exhausted:
+                    log(INFO, "privacy budget: %s; not sampled again", why)
+                self.exhausted[proxy.cid] = why
 
     def _server_step(self, mean_update: NDArrays) -> None:
         """The mean update is a descent direction: its negative is the pseudo-gradient."""
@@ -180,6 +261,9 @@ class FedProxAdapters(Strategy):
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:
+        for failure in failures:
+            log(WARNING, "round %s: evaluation failure: %s", server_round + self.round_offset,
+                describe_failure(failure))
         results = [(p, r) for p, r in results if r.num_examples > 0]
         if not results:
             return None, {}
@@ -201,5 +285,6 @@ class FedProxAdapters(Strategy):
             raise RoundFailed(f"round {server_round + self.round_offset}: no update was aggregated "
                               "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
         record["seconds"] = time.perf_counter() - self._round_start
+        self.last_completed_round = record["round"]
         if self.on_round_end:
             self.on_round_end(record["round"], record)

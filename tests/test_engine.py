@@ -233,11 +233,15 @@ def test_fit_with_anchor_reports_the_term_at_the_final_weights(tiny_config):
 
 
 # ----------------------------------------------------------------------------- learning
-# grpo, 32 prompts x 4 responses, 2 epochs of 2 mini-batches, lr 1e-3, privacy off.
-# Measured over seeds 0-5 (40 iterations): greedy accuracy on 128 val prompts rose from 0.42 by
-# 0.10 to 0.20; with lr 1e-7 (no learning) it did not move. Sampled reward: see LEARNING_ITERATIONS.
-LEARNING_ITERATIONS = 40
+# grpo, 32 prompts x 4 responses, 2 epochs of 2 mini-batches, lr 1e-3, privacy off; about 0.25 s an
+# iteration on one idle core. Measured once over seeds 0-5 (80 iterations), sampled reward, mean of
+# the last 10 iterations minus the first 10: +0.069 to +0.106 (seed 0: +0.102); greedy accuracy on
+# 128 held-out prompts, after minus before (0.42): +0.12 to +0.23. Control, lr 1e-7 (no learning),
+# seeds 0-3: sampled -0.028 to +0.041, greedy exactly 0. The margins sit between the two.
+LEARNING_ITERATIONS = 80
 WINDOW = 10
+SAMPLED_MARGIN = 0.05
+GREEDY_MARGIN = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +259,13 @@ def learning_run():
 
 def test_sampled_reward_rises(learning_run):
     first, last = np.mean(learning_run.rewards[:WINDOW]), np.mean(learning_run.rewards[-WINDOW:])
-    assert last - first >= 0.04, (first, last, learning_run.rewards)
+    assert last - first >= SAMPLED_MARGIN, (first, last, learning_run.rewards)
 
 
 def test_greedy_accuracy_on_held_out_prompts_rises(learning_run):
     assert len(learning_run.val) == 128
     before, after = learning_run.before["accuracy"], learning_run.after["accuracy"]
-    assert after - before >= 0.08, (before, after)
+    assert after - before >= GREEDY_MARGIN, (before, after)
 
 
 # ----------------------------------------------------------------------------- the baseline

@@ -1,0 +1,183 @@
+"""Speed and memory of the local RL engine (one client, no federation).
+
+Each variant runs in fresh processes (``--processes`` of them): build the trainer on the
+embedded model with the default engine config (or ``--set key=value`` overrides), run
+``--warmup`` iterations, then ``--iterations`` timed ones. Per iteration:
+
+* rollout tokens/s: generated response tokens (up to and including EOS) / rollout seconds;
+* update seconds per sample: the PPO update phase / responses in the batch (and per prompt).
+
+Memory, per process: peak RSS (``getrusage``'s ru_maxrss) against the bytes the job needs by
+definition, the model (parameters and buffers of policy, and critic for gae) plus the adapter
+optimizer state (AdamW's two moments). The goal is a ratio <= 1.3. The ratio is also given with
+the process's RSS after the imports and before the model is loaded subtracted (``above imports``),
+which separates what the Python/torch/verl runtime costs from what the engine costs.
+
+Figures are medians over all timed iterations of all processes (timing) and over processes
+(memory).
+
+    python benchmarks/local_engine.py [--variants dp nodp] [--processes 3] [--iterations 8]
+                                      [--set rollout.n=8] [--out benchmarks/results/local_engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {  # name -> run-config overrides on top of the defaults
+    "dp": {},  # the default engine: DP-GRPO (Opacus hooks)
+    "nodp": {"privacy.enabled": False},
+    "gae": {"privacy.enabled": False, "algorithm.adv_estimator": "gae"},  # with a critic
+}
+MIB = 1024 * 1024
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def child(variant: str, overrides: dict, warmup: int, iterations: int) -> dict:
+    """One process: build, warm up, time ``iterations`` iterations; memory figures at the end."""
+    start_rss = rss()
+    import torch
+
+    from flwr_verl.baseline import parse_value
+    from flwr_verl.config import parse_run_config
+    from flwr_verl.data import load_rows
+    from flwr_verl.embedded import embedded_model_path
+    from flwr_verl.trainer import LocalPPOTrainer
+
+    embedded_model_path()  # build the cached model now, if needed, not inside the measurement
+    config = parse_run_config({**{k: parse_value(v) for k, v in overrides.items()}, **VARIANTS[variant]}).engine
+    rows = load_rows(config.data, "train", config.trainer.seed)
+    imports_rss = rss()
+    trainer = LocalPPOTrainer(config, rows)
+    model_rss = rss()
+    trainer.fit(warmup, seed=1)
+    metrics = [m for m in trainer.fit(iterations, seed=2).metrics if m.get("prompts")]
+
+    models = [m for m in (trainer.policy, trainer.critic) if m is not None]
+    model_bytes = sum(tensor_bytes(m.parameters()) + tensor_bytes(m.buffers()) for m in models)
+    optimizers = [trainer.optimizer] + ([trainer.critic_optimizer] if trainer.critic_optimizer else [])
+    optimizer_bytes = sum(tensor_bytes(t for s in o.state.values() for t in s.values() if torch.is_tensor(t))
+                          for o in optimizers)
+    adapter_bytes = tensor_bytes(p for m in models for p in m.parameters() if p.requires_grad)
+    n = config.rollout.n
+    return {
+        "variant": variant,
+        "rollout_tokens_per_s": [m["prompts"] * n * m["response_length"] / m["time_rollout"] for m in metrics],
+        "update_s_per_sample": [m["time_update"] / (m["prompts"] * n) for m in metrics],
+        "update_s_per_prompt": [m["time_update"] / m["prompts"] for m in metrics],
+        "iteration_s": [sum(v for k, v in m.items() if k.startswith("time_")) for m in metrics],
+        "prompts": [m["prompts"] for m in metrics],
+        "start_rss": start_rss, "imports_rss": imports_rss, "model_rss": model_rss, "peak_rss": peak_rss(),
+        "model_bytes": model_bytes, "adapter_bytes": adapter_bytes, "optimizer_bytes": optimizer_bytes,
+        "setup": {
+            "estimator": config.algorithm.adv_estimator, "privacy": config.privacy.enabled,
+            "train_batch_size": config.data.train_batch_size, "n": n,
+            "response_length": config.rollout.response_length, "ppo_epochs": config.actor.ppo_epochs,
+            "mini_batches": trainer.num_mini_batches, "lora_rank": config.model.lora_rank,
+            "model_parameters": sum(p.numel() for m in models for p in m.parameters()),
+            "adapter_parameters": sum(p.numel() for m in models for p in m.parameters() if p.requires_grad),
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    median = statistics.median
+    flat = lambda key: [v for run in runs for v in run[key]]  # noqa: E731
+    needed = [run["model_bytes"] + run["optimizer_bytes"] for run in runs]
+    return {
+        "setup": runs[0]["setup"],
+        "processes": len(runs),
+        "timed_iterations": len(flat("iteration_s")),
+        "rollout_tokens_per_s": median(flat("rollout_tokens_per_s")),
+        "update_ms_per_sample": 1000 * median(flat("update_s_per_sample")),
+        "update_ms_per_prompt": 1000 * median(flat("update_s_per_prompt")),
+        "iteration_s": median(flat("iteration_s")),
+        "memory_mib": {
+            "model": median(r["model_bytes"] for r in runs) / MIB,
+            "adapters": median(r["adapter_bytes"] for r in runs) / MIB,
+            "adapter_optimizer_state": median(r["optimizer_bytes"] for r in runs) / MIB,
+            "rss_at_start": median(r["start_rss"] for r in runs) / MIB,
+            "rss_after_imports": median(r["imports_rss"] for r in runs) / MIB,
+            "rss_after_model_load": median(r["model_rss"] for r in runs) / MIB,
+            "peak_rss": median(r["peak_rss"] for r in runs) / MIB,
+        },
+        # Goal: <= 1.3. The whole process against model + optimizer state:
+        "peak_rss_ratio": median(r["peak_rss"] / b for r, b in zip(runs, needed)),
+        # The same with the runtime (interpreter, torch, transformers, verl, opacus) taken out:
+        "peak_rss_above_imports_ratio": median((r["peak_rss"] - r["imports_rss"]) / b for r, b in zip(runs, needed)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["dp", "nodp"], choices=list(VARIANTS))
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=6, help="timed iterations per process")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
+    parser.add_argument("--out", type=Path, default=RESULTS / "local_engine.json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.set)
+    if args.child:
+        print("RESULT" + json.dumps(child(args.child, overrides, args.warmup, args.iterations)))
+        return
+
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                          "python": platform.python_version()},
+              "overrides": overrides, "variants": {}}
+    for variant in args.variants:
+        runs = []
+        for _ in range(args.processes):
+            command = [sys.executable, __file__, "--child", variant, "--warmup", str(args.warmup),
+                       "--iterations", str(args.iterations), *(f"--set={item}" for item in args.set)]
+            proc = subprocess.run(command, capture_output=True, text=True, check=True,
+                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            runs.append(json.loads(next(line[6:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))))
+        summary = result["variants"][variant] = summarize(runs)
+        setup, memory = summary["setup"], summary["memory_mib"]
+        print(f"{variant}: {setup['estimator']}, privacy {'on' if setup['privacy'] else 'off'}, "
+              f"{setup['train_batch_size']} prompts x {setup['n']} responses, {setup['model_parameters']:,} parameters "
+              f"({setup['adapter_parameters']:,} in adapters); medians of {summary['timed_iterations']} iterations "
+              f"in {summary['processes']} processes")
+        print(f"  rollout {summary['rollout_tokens_per_s']:8.0f} tokens/s   update {summary['update_ms_per_sample']:.3f} ms"
+              f"/sample ({summary['update_ms_per_prompt']:.2f} ms/prompt)   iteration {summary['iteration_s']:.3f} s")
+        print(f"  memory MiB: model {memory['model']:.2f} + adapter optimizer state "
+              f"{memory['adapter_optimizer_state']:.3f}; RSS at start {memory['rss_at_start']:.0f}, after imports "
+              f"{memory['rss_after_imports']:.0f}, after model load {memory['rss_after_model_load']:.0f}, "
+              f"peak {memory['peak_rss']:.0f}")
+        print(f"  peak RSS / (model + optimizer state) = {summary['peak_rss_ratio']:.1f} (goal <= 1.3); "
+              f"(peak - RSS after imports) / (model + optimizer state) = {summary['peak_rss_above_imports_ratio']:.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Start and stop a local Flower deployment: one SuperLink and N SuperNodes on 127.0.0.1.
+
+One role: bring up (and tear down) the processes that ``flwr run . <connection>`` talks to on a
+single machine, each SuperNode with its own data partition, optionally with TLS and SuperNode
+authentication. Everything binds to 127.0.0.1 and lives under one directory::
+
+    python deploy/launch.py up --dir /tmp/fl --supernodes 3 [--tls] [--auth]
+    FLWR_HOME=/tmp/fl/flwr_home flwr run . local-deployment --stream --run-config my.toml
+    python deploy/launch.py down --dir /tmp/fl
+
+``up`` writes, under ``--dir``:
+
+- ``flwr_home/config.toml``: the ``local-deployment`` connection for the ``flwr`` CLI
+  (``FLWR_HOME`` must point here when running ``flwr run`` / ``flwr ls`` / ``flwr log``);
+- ``commands.sh``: the exact ``flower-superlink``, ``flwr supernode register`` and
+  ``flower-supernode`` command lines it ran, to copy onto real machines;
+- ``certs/`` (``--tls``): a throwaway CA, the SuperLink's certificate and key;
+- ``keys/`` (``--auth``): one OpenSSH ECDSA key pair per SuperNode, registered with the SuperLink;
+- ``superlink.log``, ``supernode-<i>.log``, ``deployment.json`` (ports, process ids).
+
+Every process it starts carries ``FLWR_VERL_DEPLOYMENT=<dir>`` in its environment; ``down``
+(and ``LocalDeployment.stop``) ends every process with that marker, including the SuperExec and
+ServerApp/ClientApp processes Flower spawns. From Python (the tests do this)::
+
+    with LocalDeployment(Path("/tmp/fl"), num_supernodes=3, tls=True, auth=True) as fed:
+        fed.flwr_run(Path("."), {"num-server-rounds": 2})
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+if __package__ in (None, ""):  # run as a script: make `deploy` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.certs import NodeKey, TlsFiles, make_node_key, make_tls  # noqa: E402
+
+MARKER = "FLWR_VERL_DEPLOYMENT"
+CONNECTION = "local-deployment"
+HOST = "127.0.0.1"
+BIN = Path(sys.executable).parent
+
+
+def _exe(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else name
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def processes_with_env(key: str, value: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.pid != os.getpid() and process.environ().get(key) == value:
+                found.append(process)
+    return found
+
+
+def kill_processes(processes: list[psutil.Process], grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after ``grace`` seconds."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def kill_processes_with_env(key: str, value: str, grace: float = 5.0) -> None:
+    """End every process whose environment has ``key=value`` (they outlive their parents)."""
+    kill_processes(processes_with_env(key, value), grace)
+
+
+def base_env(flwr_home: Path, marker: str) -> dict[str, str]:
+    """Offline, quiet, isolated: no dependency installs, update checks or telemetry."""
+    return {
+        **os.environ,
+        "FLWR_HOME": str(flwr_home),
+        MARKER: marker,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass
+class SuperNode:
+    index: int
+    port: int
+    log: Path
+    flwr_home: Path
+    key: NodeKey | None = None
+    process: subprocess.Popen | None = None
+    node_config: dict = field(default_factory=dict)
+
+
+class LocalDeployment:
+    """One SuperLink and ``num_supernodes`` SuperNodes on 127.0.0.1, under ``root``."""
+
+    def __init__(self, root: Path, num_supernodes: int, *, tls: bool = False, auth: bool = False,
+                 port: int | None = None, node_config: dict[int, dict] | None = None,
+                 connection: str = CONNECTION) -> None:
+        if auth and not tls:
+            raise ValueError("SuperNode authentication needs TLS (Flower refuses --enable-supernode-auth with "
+                             "--insecure)")
+        self.root = Path(root).resolve()
+        self.num_supernodes = num_supernodes
+        self.tls, self.auth = tls, auth
+        self.port = port or free_port()
+        self.connection = connection
+        self.flwr_home = self.root / "flwr_home"
+        self.certs: TlsFiles | None = None
+        self.superlink: subprocess.Popen | None = None
+        self.superlink_log = self.root / "superlink.log"
+        self.commands: list[str] = []
+        self.supernodes = [
+            SuperNode(i, free_port(), self.root / f"supernode-{i}.log", self.root / f"supernode-{i}" / "flwr_home",
+                      node_config={"partition-id": i, "num-partitions": num_supernodes,
+                                   **(node_config or {}).get(i, {})})
+            for i in range(num_supernodes)
+        ]
+
+    # ------------------------------------------------------------------ environment
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment for the ``flwr`` CLI (and the SuperLink): FLWR_HOME holds the connection."""
+        return base_env(self.flwr_home, str(self.root))
+
+    def _tls_args_client(self) -> list[str]:
+        return ["--root-certificates", str(self.certs.ca_cert)] if self.tls else ["--insecure"]
+
+    def _record(self, command: list[str], env_note: str = "") -> None:
+        self.commands.append((env_note + " " if env_note else "") + " ".join(_quote(c) for c in command))
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            self.certs = make_tls(self.root / "certs")
+        self.start_superlink()
+        self.write_connection()
+        for node in self.supernodes:
+            if self.auth:
+                node.key = make_node_key(self.root / "keys", f"supernode-{node.index}")
+                self.register(node.key)
+            self.start_supernode(node.index)
+        for node in self.supernodes:
+            self.wait_supernode(node.index)
+        self.save_state()
+
+    def start_superlink(self) -> None:
+        command = [_exe("flower-superlink"), "--host", HOST, "--port", str(self.port),
+                   "--database", str(self.root / "state.db"), "--disable-runtime-dependency-installation"]
+        if self.tls:
+            command += ["--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
+                        "--ssl-keyfile", str(self.certs.server_key)]
+        else:
+            command += ["--insecure"]
+        if self.auth:
+            command += ["--enable-supernode-auth"]
+        self._record(command, f"FLWR_HOME={self.flwr_home}")
+        self.superlink = _spawn(command, self.env, self.superlink_log, self.root)
+        if not _wait_log(self.superlink, self.superlink_log, "Uvicorn running on", 60):
+            raise RuntimeError(f"the SuperLink did not start; see {self.superlink_log}:\n{_tail(self.superlink_log)}")
+
+    def write_connection(self) -> None:
+        lines = ["[superlink]", f'default = "{self.connection}"', "", f"[superlink.{self.connection}]",
+                 f'address = "{self.address}"']
+        lines += [f'root-certificates = "{self.certs.ca_cert}"'] if self.tls else ["insecure = true"]
+        (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
+
+    def register(self, key: NodeKey) -> None:
+        command = [_exe("flwr"), "supernode", "register", str(key.public_key), self.connection]
+        self._record(command, f"FLWR_HOME={self.flwr_home}")
+        done = subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"flwr supernode register failed:\n{done.stdout}\n{done.stderr}")
+
+    def supernode_command(self, index: int, key: Path | None = None) -> list[str]:
+        node = self.supernodes[index]
+        node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in node.node_config.items())
+        command = [_exe("flower-supernode"), *self._tls_args_client(), "--superlink", self.address,
+                   "--node-config", node_config, "--host", HOST, "--port", str(node.port)]
+        key = key or (node.key.private_key if node.key else None)
+        if key:
+            command += ["--auth-supernode-private-key", str(key)]
+        return command
+
+    def start_supernode(self, index: int, command: list[str] | None = None) -> subprocess.Popen:
+        node = self.supernodes[index]
+        node.flwr_home.mkdir(parents=True, exist_ok=True)
+        command = command or self.supernode_command(index)
+        self._record(command, f"FLWR_HOME={node.flwr_home}")
+        node.process = _spawn(command, base_env(node.flwr_home, str(self.root)), node.log, node.flwr_home.parent,
+                              append=True)
+        return node.process
+
+    def wait_supernode(self, index: int, timeout: float = 60) -> None:
+        node = self.supernodes[index]
+        if not _wait_log(node.process, node.log, "SuperNode ID:", timeout):
+            raise RuntimeError(f"SuperNode {index} did not connect; see {node.log}:\n{_tail(node.log)}")
+
+    def kill_supernode(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill a SuperNode with everything it spawned (SuperExec, running ClientApp)."""
+        node = self.supernodes[index]
+        if node.process is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(node.process.pid)
+            family = [*parent.children(recursive=True), parent]
+            for process in family:
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(sig)
+            psutil.wait_procs(family, timeout=10)
+        node.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        kill_processes_with_env(MARKER, str(self.root))
+        for process in [self.superlink, *(n.process for n in self.supernodes)]:
+            if process is not None:
+                with contextlib.suppress(Exception):
+                    process.wait(timeout=5)
+
+    def save_state(self) -> None:
+        (self.root / "commands.sh").write_text("#!/bin/sh\n# what deploy/launch.py ran\n" + "\n".join(self.commands) + "\n")
+        state = {"root": str(self.root), "address": self.address, "connection": self.connection, "tls": self.tls,
+                 "auth": self.auth, "flwr_home": str(self.flwr_home),
+                 "superlink_pid": self.superlink.pid if self.superlink else None,
+                 "supernodes": [{"index": n.index, "port": n.port, "pid": n.process.pid if n.process else None,
+                                 "node_config": n.node_config, "log": str(n.log)} for n in self.supernodes]}
+        (self.root / "deployment.json").write_text(json.dumps(state, indent=1))
+
+    # ------------------------------------------------------------------ running the app
+    def flwr_run(self, app: Path, run_config: dict | None = None, *, timeout: float = 600,
+                 extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        """``flwr run <app> <connection> --stream [--run-config file]``; returns the finished CLI process."""
+        command = [_exe("flwr"), "run", str(app), self.connection, "--stream", *extra_args]
+        if run_config:
+            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
+                                                             run_config))]
+        return subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=timeout)
+
+    def flwr_run_background(self, app: Path, run_config: dict | None, log: Path) -> subprocess.Popen:
+        command = [_exe("flwr"), "run", str(app), self.connection, "--stream"]
+        if run_config:
+            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
+                                                             run_config))]
+        return _spawn(command, self.env, log, self.root)
+
+    def serverapp_processes(self) -> list[psutil.Process]:
+        return [p for p in processes_with_env(MARKER, str(self.root))
+                if any("flwr-serverapp" in part for part in _cmdline(p))]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _cmdline(process: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return process.cmdline()
+    return []
+
+
+def _quote(text: str) -> str:
+    return text if text and all(c.isalnum() or c in "-_./:=@," for c in text) else "'" + text.replace("'", "'\\''") + "'"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def write_run_config(path: Path, values: dict) -> Path:
+    """A TOML file of run-config overrides (what ``flwr run --run-config FILE`` reads)."""
+    path.write_text("".join(f'"{key}" = {_toml_value(value)}\n' for key, value in values.items()))
+    return path
+
+
+def _spawn(command: list[str], env: dict[str, str], log: Path, cwd: Path, append: bool = False) -> subprocess.Popen:
+    handle = open(log, "ab" if append else "wb")  # noqa: SIM115 - the child keeps it
+    try:
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        handle.close()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def _wait_log(process: subprocess.Popen, log: Path, needle: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if needle in log.read_text(errors="replace"):
+                return True
+        if process.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+# ----------------------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a SuperLink and N SuperNodes (they keep running)")
+    up.add_argument("--dir", type=Path, required=True, help="directory for keys, logs and FLWR_HOME")
+    up.add_argument("--supernodes", type=int, default=3)
+    up.add_argument("--port", type=int, default=9093, help="SuperLink port (Fleet, Control and Runtime APIs)")
+    up.add_argument("--tls", action="store_true", help="generate a throwaway CA and serve over TLS")
+    up.add_argument("--auth", action="store_true", help="register one key per SuperNode; implies --tls")
+    down = sub.add_parser("down", help="stop every process started under --dir")
+    down.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "down":
+        root = args.dir.resolve()
+        victims = processes_with_env(MARKER, str(root))
+        kill_processes(victims)
+        print(f"stopped {len(victims)} processes under {root}")
+        return
+
+    deployment = LocalDeployment(args.dir, args.supernodes, tls=args.tls or args.auth, auth=args.auth, port=args.port)
+    try:
+        deployment.start()
+    except BaseException:
+        deployment.stop()
+        raise
+    print(f"SuperLink {deployment.address} ({'TLS' if deployment.tls else 'insecure'}"
+          f"{', SuperNode auth' if deployment.auth else ''}), {args.supernodes} SuperNodes; logs in {deployment.root}")
+    print(f"commands: {deployment.root / 'commands.sh'}")
+    print(f"run:  FLWR_HOME={deployment.flwr_home} flwr run . {deployment.connection} --stream")
+    print(f"stop: python {Path(__file__).as_posix()} down --dir {deployment.root}")
+
+
+if __name__ == "__main__":
+    main()

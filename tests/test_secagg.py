@@ -1,0 +1,212 @@
+"""SecAgg+: the derived settings (fast) and what real Flower SecAgg+ delivers (slow).
+
+The slow tests run one Flower simulation (``flwr.simulation.run_simulation``: Ray backend, 3
+supernodes, ``secaggplus_mod`` on the ClientApp, ``SecAggPlusWorkflow`` in a ServerApp with a
+``FedProxAdapters`` strategy) in a child process, through the machinery of
+``benchmarks/secagg_overhead.py``. Each client returns a fixed update seeded by its partition id
+(a LoRA-sized adapter, 29k parameters, |update| < 0.5; 96, 256 and 480 examples, max-weight
+500), and the same updates go through plain aggregation and SecAgg+, as deltas and as full
+weights, in float32 and float64, one round per configuration. Ray binds to 127.0.0.1 only and
+everything it started is killed afterwards (both are checked).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig, parse_run_config
+from flwr_verl.secagg import (
+    MODULUS_RANGE,
+    QUANTIZATION_RANGE,
+    UpdateOutOfRange,
+    check_update,
+    derive_parameters,
+    exact_update,
+)
+
+TARGET = 1e-7  # max abs error of the secure aggregate against exact FedAvg
+
+
+# ----------------------------------------------------------------------------- settings (fast)
+def test_derived_parameters_are_accepted_by_flower():
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    params = derive_parameters(SecAggConfig(), DataConfig(train_size=256), num_clients=3)
+    assert params.quantization_range == QUANTIZATION_RANGE < 2**31  # Flower rounds through int32
+    assert params.modulus_range == MODULUS_RANGE and bin(MODULUS_RANGE).count("1") == 1
+    assert MODULUS_RANGE >= 1024 * QUANTIZATION_RANGE  # no wrap-around of a 1024-client sum
+    assert params.max_weight == 512.0  # auto: twice the prompts a task generator gives a client
+    assert (params.num_shares, params.reconstruction_threshold, params.clipping_range) == (3, 2, 1.0)
+    SecAggPlusWorkflow(**params.workflow_kwargs())  # Flower's own checks pass
+
+
+def test_rejects_more_shares_than_sampled_clients():
+    with pytest.raises(ConfigError, match=r"num-shares=4 .* 3 clients"):
+        derive_parameters(SecAggConfig(num_shares=4), DataConfig(), num_clients=3)
+    assert derive_parameters(SecAggConfig(num_shares=4), DataConfig(), num_clients=4).num_shares == 4
+
+
+@pytest.mark.parametrize("threshold", [3, 4])
+def test_rejects_reconstruction_threshold_not_below_num_shares(threshold):
+    # Validated where the setting is parsed, so derive_parameters never receives such a config.
+    with pytest.raises(ConfigError, match=rf"reconstruction-threshold={threshold} .*num-shares=3"):
+        SecAggConfig(num_shares=3, reconstruction_threshold=threshold)
+    with pytest.raises(ConfigError, match="reconstruction-threshold"):
+        parse_run_config({"secagg.num-shares": 3, "secagg.reconstruction-threshold": threshold})
+
+
+def test_auto_max_weight_is_rejected_with_parquet_files():
+    files = DataConfig(train_files="/data/train.parquet")
+    with pytest.raises(ConfigError, match=r"max-weight=0 \(auto\) .*train_files"):
+        derive_parameters(SecAggConfig(max_weight=0), files, num_clients=3)
+    assert derive_parameters(SecAggConfig(max_weight=5000), files, num_clients=3).max_weight == 5000.0
+
+
+def test_check_update_refuses_values_beyond_the_clipping_range():
+    update = [np.zeros((4, 8), np.float32), np.array([0.5, -1.25, 0.75], np.float32)]
+    with pytest.raises(UpdateOutOfRange, match=r"1\.25 exceeds secagg\.clipping-range=1\.0") as info:
+        check_update(update, num_examples=10, clipping_range=1.0, max_weight=512)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FlwrVerlError)
+
+
+def test_check_update_refuses_more_examples_than_max_weight():
+    with pytest.raises(UpdateOutOfRange, match=r"num_examples=513 exceeds secagg\.max-weight=512"):
+        check_update([np.full(3, 0.1)], num_examples=513, clipping_range=1.0, max_weight=512)
+
+
+def test_check_update_accepts_the_bounds_themselves():
+    check_update([np.array([1.0, -1.0]), np.zeros(0)], num_examples=512, clipping_range=1.0, max_weight=512)
+    check_update([], num_examples=0, clipping_range=1.0, max_weight=512)
+
+
+def test_exact_update_is_float64_and_exact_for_float32_weights():
+    rng = np.random.default_rng(0)
+    old = rng.uniform(-0.4, 0.4, 1000).astype(np.float32)
+    new = (old + rng.uniform(-0.5, 0.5, 1000).astype(np.float32)).astype(np.float32)
+    update = exact_update([new], [old])[0]
+    assert update.dtype == np.float64
+    assert np.array_equal(update + old.astype(np.float64), new.astype(np.float64))  # no rounding at all
+    assert not np.array_equal((new - old).astype(np.float64), update)  # float32 arithmetic rounds
+
+
+# ----------------------------------------------------------------------------- real SecAgg+ (slow)
+def _benchmark_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "secagg_overhead.py"
+    spec = importlib.util.spec_from_file_location("secagg_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("secagg_overhead", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def flower(tmp_path_factory):
+    bench = _benchmark_module()
+    spec = bench.precision_spec()
+    results = bench.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("secagg"))
+    phases = {p["name"]: p for p in results["phases"]}
+    for name, phase in phases.items():
+        assert phase["aggregated_rounds"] == 1, f"{name}: not aggregated; {phase['failures']}\n{results['log'][-4000:]}"
+    report = bench.precision_report(results, spec)
+    print("\nSecAgg+ precision (max / rms abs error vs exact FedAvg):")
+    for name, entry in report.items():
+        print(f"  {name:<24} C={entry['clipping_range']!s:<5} max {entry['error_vs_exact_fedavg']:.3e}  "
+              f"rms {entry['rms_error_vs_exact_fedavg']:.3e}")
+    return bench, spec, results, phases, report
+
+
+def _bound(spec: dict, workflow: dict) -> float:
+    """Worst case of SecAgg+ against exact FedAvg of the same (float64) updates: per client less
+    than one quantization step, plus the rounding of its weight n/max_weight to 1/Q, scaled back
+    by max_weight / sum(n) when the weighted mean is recovered."""
+    q, c, w = workflow["quantization_range"], workflow["clipping_range"], workflow["max_weight"]
+    clients, spread = len(spec["num_examples"]), 2 * spec["delta_scale"]
+    return clients * (2 * c / q + 0.5 / q * spread) * w / sum(spec["num_examples"])
+
+
+@pytest.mark.slow
+def test_secure_aggregate_matches_plain_aggregation(flower):
+    bench, spec, _, phases, report = flower
+    workflow = bench.secagg_kwargs()
+    secure, plain = phases["secagg_delta_f64"]["weights"], phases["plain_delta_f64"]["weights"]
+    difference = bench.max_abs_diff(secure, plain)
+    assert difference <= _bound(spec, workflow) < TARGET, difference
+    assert report["plain_delta_f64"]["error_vs_exact_fedavg"] < 1e-12
+    assert report["secagg_delta_f64"]["error_vs_exact_fedavg"] <= TARGET
+    # the rounding is real: SecAgg+ did quantize
+    assert difference > 0
+
+
+@pytest.mark.slow
+def test_plain_and_secure_runs_aggregate_the_same_client_updates(flower):
+    bench, spec, _, phases, _ = flower
+    initial = bench.initial_arrays(spec)
+    for dtype, short in (("float32", "f32"), ("float64", "f64")):
+        received = phases[f"plain_delta_{short}"]["received"]
+        for num_examples, metrics, arrays in received:
+            pid = int(metrics["partition_id"])
+            assert num_examples == spec["num_examples"][pid]
+            expected = bench.client_output(spec, pid, initial, "delta", dtype)
+            assert all(a.dtype == np.dtype(dtype) and np.array_equal(a, e) for a, e in zip(arrays, expected))
+
+
+@pytest.mark.slow
+def test_float32_updates_lose_precision_under_secagg(flower):
+    """secaggplus_mod computes in the update's dtype: float32 rounds to 2**-23 * clipping_range."""
+    _, _, _, _, report = flower
+    f32, f64 = (report[f"secagg_delta_{d}"]["error_vs_exact_fedavg"] for d in ("f32", "f64"))
+    assert f64 * 10 < f32, (f32, f64)
+    assert f32 < 3 * 2**-23  # about float32's resolution at the clipping range (1), no worse
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["secagg_delta_f64", "secagg_delta_f32", "secagg_weights_f64"])
+def test_server_only_sees_the_aggregate(flower, name):
+    bench, spec, _, phases, _ = flower
+    received = phases[name]["received"]
+    assert len(received) == 3
+    aggregate = received[0][2]
+    for _, _, arrays in received:  # every FitRes carries the same, already aggregated, arrays
+        assert all(a.dtype == np.float64 and np.array_equal(a, b) for a, b in zip(arrays, aggregate))
+    # num_examples and metrics arrive in the clear, one per client
+    seen = {int(m["partition_id"]): (n, m["probe"]) for n, m, _ in received}
+    assert seen == {pid: (n, 1000 + pid) for pid, n in enumerate(spec["num_examples"])}
+    # no FitRes equals any single client's update: it differs by far more than quantization error
+    phase = next(p for p in spec["phases"] if p["name"] == name)
+    initial = bench.initial_arrays(spec)
+    for pid in range(3):
+        own = bench.client_output(spec, pid, initial, phase["format"], phase["dtype"])
+        assert bench.max_abs_diff(aggregate, own) > 0.1
+        mean_gap = np.mean(np.concatenate([np.abs(a - b).ravel() for a, b in zip(aggregate, own)]))
+        assert mean_gap > 1e6 * _bound(spec, phase["secagg"])
+
+
+@pytest.mark.slow
+def test_deltas_aggregate_at_least_as_accurately_as_weights(flower):
+    """Both through real SecAgg+. The error scales with the clipping range, not with the values:
+    at the same range deltas and weights are equally accurate; deltas fit a smaller range
+    (|delta| <= 0.5 here, |weights| <= 0.9) and then aggregate about twice as accurately."""
+    _, _, _, _, report = flower
+    rms = {name: entry["rms_error_vs_exact_fedavg"] for name, entry in report.items()}
+    assert rms["secagg_delta_f64"] <= 1.1 * rms["secagg_weights_f64"]
+    assert rms["secagg_delta_f64_c0.5"] <= 0.7 * rms["secagg_weights_f64"]
+    assert rms["secagg_delta_f32"] <= 1.1 * rms["secagg_weights_f32"]
+    assert rms["secagg_delta_f32_c0.5"] <= 0.7 * rms["secagg_weights_f32"]
+
+
+@pytest.mark.slow
+def test_ray_listens_on_loopback_only_and_is_cleaned_up(flower):
+    _, _, results, _, _ = flower
+    listeners = results["listeners"]
+    assert any(s["process"] == "gcs_server" for s in listeners), listeners  # Ray was seen running
+    for socket in listeners:
+        address = ipaddress.ip_address(socket["ip"])
+        mapped = getattr(address, "ipv4_mapped", None)
+        assert (mapped or address).is_loopback, socket
+    assert results["leftover_pids"] == []
