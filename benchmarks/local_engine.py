@@ -16,7 +16,7 @@ which separates what the Python/torch/verl runtime costs from what the engine co
 Figures are medians over all timed iterations of all processes (timing) and over processes
 (memory).
 
-    python benchmarks/local_engine.py [--variants dp nodp] [--processes 3] [--iterations 8]
+    python benchmarks/local_engine.py [--variants dp nodp] [--processes 2] [--iterations 8]
                                       [--set rollout.n=8] [--out benchmarks/results/local_engine.json]
 """
 
@@ -126,6 +126,7 @@ def summarize(runs: list[dict]) -> dict:
             "rss_after_imports": median(r["imports_rss"] for r in runs) / MIB,
             "rss_after_model_load": median(r["model_rss"] for r in runs) / MIB,
             "peak_rss": median(r["peak_rss"] for r in runs) / MIB,
+            "peak_rss_per_process": [r["peak_rss"] / MIB for r in runs],
         },
         # Goal: <= 1.3. The whole process against model + optimizer state:
         "peak_rss_ratio": median(r["peak_rss"] / b for r, b in zip(runs, needed)),
@@ -137,9 +138,9 @@ def summarize(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=["dp", "nodp"], choices=list(VARIANTS))
-    parser.add_argument("--processes", type=int, default=3, help="fresh processes per variant")
+    parser.add_argument("--processes", type=int, default=2, help="fresh processes per variant")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=6, help="timed iterations per process")
+    parser.add_argument("--iterations", type=int, default=8, help="timed iterations per process")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
     parser.add_argument("--out", type=Path, default=RESULTS / "local_engine.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -166,8 +167,10 @@ def main() -> None:
               f"{setup['train_batch_size']} prompts x {setup['n']} responses, {setup['model_parameters']:,} parameters "
               f"({setup['adapter_parameters']:,} in adapters); medians of {summary['timed_iterations']} iterations "
               f"in {summary['processes']} processes")
-        print(f"  rollout {summary['rollout_tokens_per_s']:8.0f} tokens/s   update {summary['update_ms_per_sample']:.3f} ms"
-              f"/sample ({summary['update_ms_per_prompt']:.2f} ms/prompt)   iteration {summary['iteration_s']:.3f} s")
+        print(f"  rollout {summary['rollout_tokens_per_s']:8.0f} tokens/s   "
+              f"update {summary['update_ms_per_sample']:.3f} ms/sample "
+              f"({summary['update_ms_per_prompt']:.2f} ms/prompt)   "
+              f"iteration {summary['iteration_s']:.3f} s")
         print(f"  memory MiB: model {memory['model']:.2f} + adapter optimizer state "
               f"{memory['adapter_optimizer_state']:.3f}; RSS at start {memory['rss_at_start']:.0f}, after imports "
               f"{memory['rss_after_imports']:.0f}, after model load {memory['rss_after_model_load']:.0f}, "

@@ -20,11 +20,19 @@ seconds to minutes per round, the same absolute overhead is a far smaller fracti
 sampled (RSS, every 50 ms) for the server process and for all processes of the run (server, Ray,
 client actors), as the rise over the level before each configuration.
 
+Reading the figures: SecAgg+ takes four message exchanges per round where plain FedAvg takes
+one. Flower 1.42 delivers messages by polling (simulation: every 0.1 s on both sides, not
+configurable for the node side; deployment: ``HttpGrid`` and idle SuperNodes every 3 s), so the
+two small key-exchange stages cost about 0.1 s each in simulation whatever the size; the rest is
+mask generation and quantization (numpy, per client). ``--diagnose-sizes`` reruns sizes with both
+polls patched down to 5 ms to separate the two. ``training_seconds_for_1.1x`` is the local
+training time per round at which the measured extra time would be 10% of the round.
+
 Then the precision part (``precision_report``): the same client updates of a LoRA-sized adapter
-(29k parameters, |update| <= 0.5, 96/256/480 examples) go through plain aggregation and through
-real SecAgg+ as deltas and as full weights, in float32 and float64, at the derived parameters
-(clipping range 1) and at a clipping range fitted to the deltas (0.5). Errors are max |.| against
-the exact float64 FedAvg of the clients' new weights.
+(29k parameters, |update| < 0.5, 96/256/480 examples, max-weight 500) go through plain
+aggregation and through real SecAgg+ as deltas and as full weights, in float32 and float64, at the
+derived parameters (clipping range 1) and at a clipping range fitted to the deltas (0.5). Errors
+are max and rms |.| against the exact float64 FedAvg of the clients' new weights.
 
 Every Flower run happens in a child process with its own FLWR_HOME and Ray temp dir, with Ray on
 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, ``_node_ip_address``); the listening
@@ -52,9 +60,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Context
 from flwr.client import Client, ClientApp, NumPyClient
-from flwr.client.mod import secaggplus_mod
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
+from flwr_verl.mods import secaggplus_when_requested
 from flwr_verl.secagg import check_update, exact_update
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,19 +168,10 @@ def client_fn(context: Context) -> Client:
     return FixedUpdateClient(int(context.node_config["partition-id"])).to_client()
 
 
-def secaggplus_for_secagg_messages(msg, context, call_next):
-    """``secaggplus_mod`` on SecAgg+ messages only, so one ClientApp serves plain and secure rounds.
-
-    The same logic as ``flwr_verl.client.secaggplus_when_requested``, without importing the RL
-    stack (torch, transformers, verl) into every Ray actor.
-    """
-    if msg.has_content() and RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
-
-
 # Module level, so Ray pickles it by reference and each actor keeps its own update cache.
-client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_for_secagg_messages])
+# The project's mod: secaggplus_mod on SecAgg+ messages, so one ClientApp serves plain and
+# secure rounds (flwr_verl.mods imports Flower only, which keeps the Ray actors light).
+client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_when_requested])
 
 
 # ----------------------------------------------------------------------------- measurement helpers
@@ -235,16 +233,25 @@ class RssSampler:
 
 
 def listening_sockets() -> list[dict]:
-    """Every listening TCP socket and bound UDP socket of this process and its descendants."""
+    """Every listening TCP and bound UDP socket of this run's processes: this one, its
+    descendants, and any process that carries the run's marker (should Ray re-parent one)."""
+    import socket
+
     import psutil
 
     me = psutil.Process()
+    procs = {p.pid: p for p in [me, *me.children(recursive=True)]}
+    marker = os.environ.get(MARKER)
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if marker and proc.pid not in procs and proc.environ().get(MARKER) == marker:
+                procs[proc.pid] = proc
     found = []
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in procs.values():
         with contextlib.suppress(psutil.Error):
             name = proc.name()
             for conn in proc.net_connections(kind="inet"):
-                if conn.laddr and (conn.status == psutil.CONN_LISTEN or conn.type == 2):  # 2: SOCK_DGRAM
+                if conn.laddr and (conn.status == psutil.CONN_LISTEN or conn.type == socket.SOCK_DGRAM):
                     found.append({"process": name, "pid": proc.pid, "ip": conn.laddr.ip, "port": conn.laddr.port})
     return found
 
@@ -267,6 +274,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
         """FedProxAdapters that tells clients the update format and records what it receives."""
 
         received: list = []
+        failures_seen: list = []
         aggregated_rounds = 0
 
         def configure_fit(self, server_round, parameters, client_manager):
@@ -296,7 +304,6 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
         secure_aggregation=({"secagg_clipping_range": secagg["clipping_range"],
                              "secagg_max_weight": secagg["max_weight"]} if secagg else None),
     )
-    strategy.failures_seen = []
     stage_seconds: dict[str, list[float]] = {}
 
     class TimedSecAggPlusWorkflow(SecAggPlusWorkflow):

@@ -236,19 +236,30 @@ class LocalDeployment:
         if not _wait_log(node.process, node.log, "SuperNode ID:", timeout):
             raise RuntimeError(f"SuperNode {index} did not connect; see {node.log}:\n{_tail(node.log)}")
 
-    def kill_supernode(self, index: int, sig: int = signal.SIGKILL) -> None:
-        """Kill a SuperNode with everything it spawned (SuperExec, running ClientApp)."""
+    def kill_supernode(self, index: int, graceful: bool = True) -> None:
+        """Kill a SuperNode and everything it spawned (SuperExec, a running ClientApp).
+
+        The children get SIGKILL, so a ClientApp in the middle of a fit never answers. The
+        SuperNode itself gets SIGTERM when ``graceful`` (it tells the SuperLink it is leaving, which
+        then answers the node's pending messages with "node unavailable" at once), else SIGKILL
+        (the SuperLink notices only when the node's heartbeat lapses: up to 60 s in Flower 1.42).
+        """
         node = self.supernodes[index]
-        if node.process is None:
+        if node.process is None or node.process.poll() is not None:
             return
         with contextlib.suppress(psutil.Error):
             parent = psutil.Process(node.process.pid)
-            family = [*parent.children(recursive=True), parent]
-            for process in family:
+            children = parent.children(recursive=True)
+            for process in children:
                 with contextlib.suppress(psutil.Error):
-                    process.send_signal(sig)
-            psutil.wait_procs(family, timeout=10)
-        node.process.wait(timeout=10)
+                    process.kill()
+            psutil.wait_procs(children, timeout=10)
+            parent.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+        try:
+            node.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait(timeout=10)
 
     def stop(self) -> None:
         kill_processes_with_env(MARKER, str(self.root))
@@ -282,6 +293,16 @@ class LocalDeployment:
             command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
                                                              run_config))]
         return _spawn(command, self.env, log, self.root)
+
+    def flwr_ls(self) -> list[dict]:
+        """``flwr ls <connection> --format json``: the runs the SuperLink knows, oldest first."""
+        done = subprocess.run([_exe("flwr"), "ls", self.connection, "--format", "json"], env=self.env, cwd=self.root,
+                              capture_output=True, text=True, timeout=60)
+        try:
+            runs = json.loads(done.stdout).get("runs", [])
+        except json.JSONDecodeError:
+            return []
+        return sorted(runs, key=lambda r: str(r.get("created-at", "")))
 
     def serverapp_processes(self) -> list[psutil.Process]:
         return [p for p in processes_with_env(MARKER, str(self.root))

@@ -34,7 +34,7 @@ except ImportError:  # Python 3.10
 from flwr_verl.config import ConfigError, EngineConfig, parse_run_config
 from flwr_verl.data import DataError, Row, load_rows
 from flwr_verl.models import ModelLoadError
-from flwr_verl.privacy import epsilon, noise_for_target_epsilon, sample_rate
+from flwr_verl.privacy import epsilon, noise_for_target_epsilon, record_iterations, sample_rate
 from flwr_verl.rewards import RewardError
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -117,11 +117,15 @@ def run_baseline(config: EngineConfig, iterations: int, num_clients: int = 1,
         steps = min(config.trainer.local_iterations, iterations - done)
         result = trainer.fit(steps, privacy_history=history, noise_multiplier=noise,
                              seed=config.trainer.seed * 1_000_003 + round_number)
-        history = result.privacy_history
-        spent = {"epsilon": epsilon(history, privacy.delta, privacy.accountant)} if privacy.enabled else {}
-        for metrics in result.metrics:
+        for step, metrics in enumerate(result.metrics, start=1):
             done += 1
+            spent = {}
+            if privacy.enabled:  # epsilon after this iteration, accounted as fit accounts it
+                so_far = record_iterations(history, result.noise_multiplier, config.actor.ppo_epochs,
+                                           trainer.private.sample_rate, step)
+                spent = {"epsilon": epsilon(so_far, privacy.delta, privacy.accountant)}
             emit({"event": "iteration", "iteration": done, "round": round_number, **metrics, **spent})
+        history = result.privacy_history
     emit({"event": "eval", "iteration": done, "prompts": len(val_rows), **trainer.evaluate(val_rows)})
     return records
 
@@ -137,9 +141,9 @@ def format_record(record: Record) -> str:
     if not record.get("prompts"):
         return f"{head}  empty Poisson draw: noise-only steps"
     parts = [f"reward {record['reward_mean']:.3f}", f"len {record['response_length']:.2f}",
-             f"kl {record['kl']:.4f}", f"pg_loss {record['pg_loss']:+.4f}"]
+             f"kl {record['kl']:.4f}", f"pg_loss {record['pg_loss']:+.2e}"]
     if "vf_loss" in record:
-        parts.append(f"vf_loss {record['vf_loss']:.4f}")
+        parts.append(f"vf_loss {record['vf_loss']:.3e}")
     parts.append(f"clipfrac {record['pg_clipfrac']:.3f}")
     if "epsilon" in record:
         parts.append(f"eps {record['epsilon']:.2f}")
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError, tomllib.TOMLDecodeError) as error:
         parser.error(str(error))
     config = run_config.engine
-    iterations = args.iterations or run_config.federation.num_server_rounds * config.trainer.local_iterations * args.clients
+    rounds = run_config.federation.num_server_rounds
+    iterations = args.iterations or rounds * config.trainer.local_iterations * args.clients
     if iterations < 1:
         parser.error(f"--iterations={iterations}: must be >= 1")
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         output = open(args.output, "w")
+
     def report(record: Record) -> None:
         print(format_record(record), flush=True)
         if output is not None:
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             output.close()
     before, after = records[0], records[-1]
     if "reward" in before:
-        print(f"greedy eval on {before['prompts']} val prompts: reward {before['reward']:.3f} -> {after['reward']:.3f}, "
+        print(f"greedy eval on {before['prompts']} val prompts: "
+              f"reward {before['reward']:.3f} -> {after['reward']:.3f}, "
               f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
     return 0
 

@@ -44,6 +44,7 @@ from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models
 from flwr_verl.mods import secaggplus_when_requested  # noqa: F401 - re-exported for existing imports
 from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
+from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -75,6 +76,17 @@ def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partiti
     return _ROWS[key]
 
 
+def preflight_reward(compute_score, rows: list[Row]) -> None:
+    """Score an empty response to the first prompt once, before any training: a reward function
+    that raises or returns something other than a finite number fails here with a ``RewardError``
+    naming the function, not after the first rollout."""
+    if not rows:
+        return
+    row = rows[0]
+    checked(compute_score)(row["data_source"], "", row["reward_model"]["ground_truth"],
+                           {**row.get("extra_info", {}), PROMPT_KEY: row["prompt"][-1]["content"]})
+
+
 def _nbytes(arrays: list[np.ndarray]) -> int:
     return int(sum(a.nbytes for a in arrays))
 
@@ -88,6 +100,8 @@ class VerlClient(NumPyClient):
         self.config = config
         self.partition_id = partition_id
         self.train_rows, self.val_rows = train_rows, val_rows
+        compute_score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
+        preflight_reward(compute_score, train_rows or val_rows)
         self.trainer = LocalPPOTrainer(config, train_rows, models=models or cached_models(config),
                                        compute_score=compute_score)
         self.adapters = self.trainer.models.adapters

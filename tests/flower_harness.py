@@ -92,3 +92,147 @@ def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+# ----------------------------------------------------------------------------- deployment
+# A SuperLink and SuperNodes as real processes (deploy/launch.py), for test_deployment,
+# test_faults and test_bad_input. Every process carries FLWR_VERL_DEPLOYMENT=<root> and is
+# killed by that marker when the context ends, whatever happened inside.
+from deploy.launch import MARKER, LocalDeployment, kill_processes_with_env  # noqa: E402
+
+# The simulation test's run, for deployments: 2 rounds, DP and SecAgg+ on.
+SMALL_RUN = {
+    "num-server-rounds": 2,
+    "data.train_size": 128,
+    "data.val_size": 16,
+    "data.train_batch_size": 16,
+    "actor.ppo_mini_batch_size": 16,
+    "trainer.local_iterations": 3,
+    "privacy.enabled": True,
+    "privacy.noise_multiplier": 0.8,
+    "privacy.deterministic": True,
+    "secagg.enabled": True,
+}
+# Fault runs: no evaluation round trip, one local iteration, a SecAgg+ timeout that bounds any hang.
+FAULT_RUN = {**SMALL_RUN, "evaluate-every": 0, "trainer.local_iterations": 1, "secagg.timeout": 120.0}
+
+
+@contextlib.contextmanager
+def local_deployment(root: Path, num_supernodes: int, **kwargs):
+    """A started ``LocalDeployment``; everything it (and Flower) spawned is killed afterwards."""
+    deployment = LocalDeployment(root, num_supernodes, **kwargs)
+    try:
+        deployment.start()
+        yield deployment
+    finally:
+        deployment.stop()
+        kill_processes_with_env(MARKER, str(deployment.root))
+
+
+def count_in(path: Path, needle: str) -> int:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace").count(needle)
+    return 0
+
+
+def run_directories(output_dir: Path) -> list[Path]:
+    return sorted(output_dir.glob("run-*"))
+
+
+def records(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def tree_digest(directory: Path) -> str:
+    """A digest of every file under ``directory`` (names and bytes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- offline replay
+class FakeClientManager:
+    """Just enough of a ClientManager for ``FedProxAdapters.configure_fit`` outside Flower."""
+
+    def __init__(self, cids):
+        from flwr.server.client_proxy import ClientProxy
+
+        class Proxy(ClientProxy):
+            def get_properties(self, *a, **k): raise NotImplementedError
+            def get_parameters(self, *a, **k): raise NotImplementedError
+            def fit(self, *a, **k): raise NotImplementedError
+            def evaluate(self, *a, **k): raise NotImplementedError
+            def reconnect(self, *a, **k): raise NotImplementedError
+
+        self.clients = {str(c): Proxy(str(c)) for c in cids}
+
+    def num_available(self):
+        return len(self.clients)
+
+    def all(self):
+        return dict(self.clients)
+
+    def sample(self, num_clients, min_num_clients=None, criterion=None):
+        eligible = [c for c in self.clients.values() if criterion is None or criterion.select(c)]
+        return eligible[:num_clients] if len(eligible) >= num_clients else []
+
+
+def replay_updates(run_config: dict, partitions: list[int], num_partitions: int, global_arrays, server_round: int = 1):
+    """Recompute, in this process, the updates that ``partitions`` send in round ``server_round``
+    (round 1 of a fresh run: empty privacy history), with the exact fit config the strategy sends.
+    Returns ``[(update arrays, num_examples), ...]``. Needs ``privacy.deterministic`` for DP runs."""
+    from flwr.common import ndarrays_to_parameters
+
+    from flwr_verl.client import VerlClient, cached_rows
+    from flwr_verl.config import parse_run_config
+    from flwr_verl.secagg import derive_parameters
+    from flwr_verl.strategy import FedProxAdapters
+
+    config = parse_run_config(run_config)
+    federation, engine = config.federation, config.engine
+    secagg = derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
+    strategy = FedProxAdapters(federation, global_arrays, local_iterations=engine.trainer.local_iterations,
+                               secure_aggregation={"secagg_clipping_range": secagg.clipping_range,
+                                                   "secagg_max_weight": secagg.max_weight})
+    (_, fit_ins), *_ = strategy.configure_fit(server_round, ndarrays_to_parameters(global_arrays),
+                                              FakeClientManager(range(num_partitions)))
+    out = []
+    for partition in partitions:
+        client = VerlClient(engine, cached_rows(engine, "train", partition, num_partitions),
+                            cached_rows(engine, "val", partition, num_partitions), partition_id=partition)
+        update, num_examples, _ = client.fit([a.copy() for a in global_arrays], dict(fit_ins.config))
+        out.append((update, num_examples))
+    return out
+
+
+def weighted_mean(updates):
+    total = sum(n for _, n in updates)
+    return [sum(u[i] * (n / total) for u, n in updates) for i in range(len(updates[0][0]))]
+
+
+def saved_adapter(adapter_dir: Path, run_config: dict | None = None):
+    """The arrays of a saved global adapter directory (``adapters/round-NNNN``), in AdapterSet order."""
+    from flwr_verl.config import parse_run_config
+    from flwr_verl.models import build_models, load_adapter_into
+
+    engine = parse_run_config(run_config or {}).engine
+    models = build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed)
+    adapters = models.adapters
+    for role, model in adapters.models.items():
+        load_adapter_into(model, Path(adapter_dir) / role)
+    return adapters.get_arrays()
+
+
+def initial_adapter(run_config: dict | None = None):
+    from flwr_verl.config import parse_run_config
+    from flwr_verl.models import build_models
+
+    engine = parse_run_config(run_config or {}).engine
+    return build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters.get_arrays()

@@ -305,7 +305,8 @@ def test_baseline_command_reads_nested_toml_and_overrides(tmp_path, capsys):
     records = [json.loads(line) for line in output.read_text().splitlines()]
     iterations = [r for r in records if r["event"] == "iteration"]
     assert len(iterations) == 1 * 2 * 2  # num-server-rounds * local_iterations * clients
-    assert all(r["epsilon"] > 0 for r in iterations if r["prompts"])
+    spent = [r["epsilon"] for r in iterations]
+    assert spent[0] > 0 and all(a < b for a, b in zip(spent, spent[1:]))  # accounted per iteration
     assert records[0]["prompts"] == 8  # val_size * clients
     printed = capsys.readouterr().out
     assert "iter    4" in printed and "greedy eval on 8 val prompts" in printed

@@ -1,8 +1,9 @@
 """SecAgg+: the derived settings (fast) and what real Flower SecAgg+ delivers (slow).
 
 The slow tests run one Flower simulation (``flwr.simulation.run_simulation``: Ray backend, 3
-supernodes, ``secaggplus_mod`` on the ClientApp, ``SecAggPlusWorkflow`` in a ServerApp with a
-``FedProxAdapters`` strategy) in a child process, through the machinery of
+supernodes, Flower's ``secaggplus_mod`` on the ClientApp through the project's
+``secaggplus_when_requested``, ``SecAggPlusWorkflow`` in a ServerApp with a ``FedProxAdapters``
+strategy) in a child process, through the machinery of
 ``benchmarks/secagg_overhead.py``. Each client returns a fixed update seeded by its partition id
 (a LoRA-sized adapter, 29k parameters, |update| < 0.5; 96, 256 and 480 examples, max-weight
 500), and the same updates go through plain aggregation and SecAgg+, as deltas and as full
@@ -12,6 +13,7 @@ everything it started is killed afterwards (both are checked).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import ipaddress
 import sys
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig, parse_run_config
+from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig
 from flwr_verl.secagg import (
     MODULUS_RANGE,
     QUANTIZATION_RANGE,
@@ -54,11 +56,12 @@ def test_rejects_more_shares_than_sampled_clients():
 
 @pytest.mark.parametrize("threshold", [3, 4])
 def test_rejects_reconstruction_threshold_not_below_num_shares(threshold):
-    # Validated where the setting is parsed, so derive_parameters never receives such a config.
+    # Validated when the config is built (parse_run_config builds it), so derive_parameters never
+    # receives such a config; Flower's SecAggPlusWorkflow would refuse it as well.
     with pytest.raises(ConfigError, match=rf"reconstruction-threshold={threshold} .*num-shares=3"):
         SecAggConfig(num_shares=3, reconstruction_threshold=threshold)
     with pytest.raises(ConfigError, match="reconstruction-threshold"):
-        parse_run_config({"secagg.num-shares": 3, "secagg.reconstruction-threshold": threshold})
+        dataclasses.replace(SecAggConfig(), reconstruction_threshold=threshold)
 
 
 def test_auto_max_weight_is_rejected_with_parquet_files():
@@ -66,6 +69,14 @@ def test_auto_max_weight_is_rejected_with_parquet_files():
     with pytest.raises(ConfigError, match=r"max-weight=0 \(auto\) .*train_files"):
         derive_parameters(SecAggConfig(max_weight=0), files, num_clients=3)
     assert derive_parameters(SecAggConfig(max_weight=5000), files, num_clients=3).max_weight == 5000.0
+
+
+def test_auto_max_weight_is_rejected_under_dirichlet_partitioning():
+    # A client's share of the pooled prompts is unbounded by train_size there (133 of 192 seen).
+    skewed = DataConfig(partition="dirichlet", train_size=64)
+    with pytest.raises(ConfigError, match=r"max-weight=0 \(auto\) .*partition='dirichlet'"):
+        derive_parameters(SecAggConfig(), skewed, num_clients=3)
+    assert derive_parameters(SecAggConfig(max_weight=192), skewed, num_clients=3).max_weight == 192.0
 
 
 def test_check_update_refuses_values_beyond_the_clipping_range():

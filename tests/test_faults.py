@@ -1,0 +1,399 @@
+"""Faults: failing clients, dead SuperNodes, a killed server, NaN updates and spent privacy budgets.
+
+The first part drives ``VerlClient`` and ``FedProxAdapters`` in this process (fast). The slow
+part runs the app on a real SuperLink with 3 SuperNodes (``deploy/launch.py``), SecAgg+ and DP
+on, and kills real processes:
+
+- a SuperNode killed during the SecAgg+ fit stage: the round completes with the 2 survivors
+  (reconstruction threshold 2) and the aggregate is the mean of exactly their updates, which
+  this process recomputes (``privacy.deterministic`` makes a client's update reproducible);
+- a client whose fit raises (``inject-failure-partition``): a failure of the round, never
+  aggregated; then the ServerApp is SIGKILLed after round 1 and restarted with ``resume``: it
+  starts from the saved round-1 adapter, bit for bit, and runs round 2, once;
+- two SuperNodes killed in the fit stage of round 3: fewer than the threshold survive, the run
+  fails with one line that says why, and the saved adapters are untouched.
+
+Killed SuperNodes get SIGTERM after their ClientApp got SIGKILL (see
+``LocalDeployment.kill_supernode``); with SIGKILL the SuperLink would notice only when the
+node's heartbeat lapses, which costs up to a minute and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Error
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from flwr_verl.client import STATUS_BUDGET, NonFiniteUpdate, VerlClient
+from flwr_verl.config import FederationConfig, SecAggConfig
+from flwr_verl.data import load_rows
+from flwr_verl.models import build_models
+from flwr_verl.mods import concise_errors
+from flwr_verl.privacy import epsilon, record_iterations, sample_rate
+from flwr_verl.server import RunDirectory, fingerprint
+from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation
+from flwr_verl.trainer import FitResult
+from tests.flower_harness import (
+    FAULT_RUN,
+    REPO,
+    FakeClientManager,
+    count_in,
+    initial_adapter,
+    local_deployment,
+    records,
+    replay_updates,
+    run_directories,
+    saved_adapter,
+    tree_digest,
+    weighted_mean,
+)
+
+ATOL = 1e-5  # SecAgg+ quantisation error is ~1e-9; an update that should not be there is ~1e-3
+
+
+def max_abs(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+# ============================================================================ in this process
+@pytest.fixture(scope="module")
+def rows(tiny_config):
+    config = tiny_config()
+    return load_rows(config.data, "train", seed=0), load_rows(config.data, "val", seed=0)
+
+
+def fit_res(update, num_examples, **metrics) -> FitRes:
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), num_examples, metrics)
+
+
+def strategy_for(arrays, *, secure=False, **federation) -> FedProxAdapters:
+    config = FederationConfig(min_fit_clients=federation.pop("min_fit_clients", 2), min_available_clients=1,
+                              secagg=SecAggConfig(enabled=secure), **federation)
+    return FedProxAdapters(config, arrays, local_iterations=1,
+                           secure_aggregation={"secagg_clipping_range": 1.0, "secagg_max_weight": 64.0}
+                           if secure else None)
+
+
+def poison(client: VerlClient, value: float) -> None:
+    def fit(iterations, **kwargs):
+        with torch.no_grad():
+            client.adapters.parameters[0].view(-1)[0] = value
+        return FitResult(metrics=[], privacy_history=kwargs.get("privacy_history") or [])
+
+    client.trainer.fit = fit
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_client_rejects_a_non_finite_update_before_sending(tiny_config, rows, value, monkeypatch):
+    client = VerlClient(tiny_config(), *rows, partition_id=2)
+    poison(client, value)
+    with pytest.raises(NonFiniteUpdate, match=r"NaN or inf in 1 of \d+ arrays \(first: policy/.*\); not sent"):
+        client.fit(client.adapters.get_arrays(), {"local_iterations": 1})
+
+
+def test_a_round_with_a_poisoned_client_is_not_poisoned(tiny_config, rows):
+    config = tiny_config()
+    initial = build_models(config.model, with_critic=False).adapters.get_arrays()
+    strategy = strategy_for(initial)
+    (_, fit_ins), *_ = strategy.configure_fit(1, ndarrays_to_parameters(initial), FakeClientManager(["0", "1", "2"]))
+    results, updates = [], []
+    proxies = FakeClientManager(["0", "1", "2"]).clients
+    for pid in (0, 1):
+        client = VerlClient(config, *rows, partition_id=pid)
+        update, n, metrics = client.fit([a.copy() for a in initial], dict(fit_ins.config))
+        results.append((proxies[str(pid)], fit_res(update, n, **metrics)))
+        updates.append((update, n))
+    bad = VerlClient(config, *rows, partition_id=2)
+    poison(bad, float("nan"))
+    with pytest.raises(NonFiniteUpdate) as error:  # what the ClientApp's mod turns into an error reply
+        bad.fit([a.copy() for a in initial], dict(fit_ins.config))
+    failure = Exception(Error(code=1, reason=f"partition 2: NonFiniteUpdate: {error.value}"))
+    # A client without the check (say, another implementation) sends NaN in the clear: rejected too.
+    nan_update = [np.full_like(a, np.nan) for a in initial]
+    sneaky = (FakeClientManager(["3"]).clients["3"], fit_res(nan_update, 32, partition_id=3))
+
+    _, metrics = strategy.aggregate_fit(1, results + [sneaky], [failure])
+    assert max_abs([a - b for a, b in zip(strategy.global_arrays, initial)], weighted_mean(updates)) < 1e-6
+    assert all(np.isfinite(a).all() for a in strategy.global_arrays)
+    assert metrics["num_clients"] == 2 and metrics["num_failures"] == 2
+    assert any("partition 2: NonFiniteUpdate" in m for m in strategy.round_record["failures"])
+    assert any("non-finite update rejected" in m for m in strategy.round_record["failures"])
+
+
+def test_a_non_finite_secure_aggregate_fails_the_round_and_keeps_the_adapter():
+    initial = [np.zeros((2, 3), np.float32)]
+    strategy = strategy_for(initial, secure=True, min_fit_clients=3)
+    proxy = FakeClientManager(["0"]).clients["0"]
+    with pytest.raises(RoundFailed, match="securely aggregated update is not finite"):
+        strategy.aggregate_fit(1, [(proxy, fit_res([np.full((2, 3), np.nan)], 8, partition_id=0, status="ok"))], [])
+    assert np.array_equal(strategy.global_arrays[0], initial[0])
+
+
+def test_clients_over_their_epsilon_budget_are_refused_and_the_run_goes_on(tiny_config, rows):
+    """Client 2's budget is below one round: it refuses. Client 1's allows one round: it trains,
+    reports that the next would exceed it, and is not sampled again. Client 0 goes on alone."""
+    privacy = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True}
+    base = tiny_config(privacy=privacy)
+    q = sample_rate(base.data.train_batch_size, len(rows[0]))
+    eps = [epsilon(record_iterations([], 1.0, base.actor.ppo_epochs, q, k), base.privacy.delta) for k in (1, 2)]
+    budgets = {0: 1e6, 1: (eps[0] + eps[1]) / 2, 2: eps[0] / 2}
+    clients = {pid: VerlClient(tiny_config(privacy={**privacy, "epsilon_budget": budgets[pid]}), *rows,
+                               partition_id=pid) for pid in budgets}
+    initial = build_models(base.model, with_critic=False).adapters.get_arrays()
+    strategy = strategy_for(initial, min_fit_clients=1)
+    manager = FakeClientManager(["0", "1", "2"])
+
+    def run_round(server_round):
+        sampled = strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays), manager)
+        results = []
+        for proxy, fit_ins in sampled:
+            update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(fit_ins.parameters),
+                                                             dict(fit_ins.config))
+            results.append((proxy, fit_res(update, n, **metrics)))
+        strategy.aggregate_fit(server_round, results, [])
+        strategy.finish_round(server_round)
+        return {int(p.cid): r for p, r in results}
+
+    first = run_round(1)
+    assert sorted(first) == [0, 1, 2]
+    assert first[2].num_examples == 0 and first[2].metrics["status"] == STATUS_BUDGET
+    assert first[1].metrics["status"] == "ok" and first[1].metrics["epsilon_next"] > budgets[1]
+    assert strategy.round_record["fit"]["num_clients"] == 2 and strategy.round_record["fit"]["num_refused"] == 1
+    assert all(np.isfinite(a).all() for a in strategy.global_arrays)
+
+    second = run_round(2)
+    assert sorted(second) == [0]  # the others are no longer sampled
+    assert second[0].metrics["epsilon_total"] > first[0].metrics["epsilon_total"]
+
+    strategy.config = dataclasses.replace(strategy.config, min_fit_clients=2)
+    with pytest.raises(StopFederation, match=r"only 1 of 3 clients can train another round"):
+        strategy.configure_fit(3, ndarrays_to_parameters(strategy.global_arrays), manager)
+
+
+def test_secagg_round_where_every_client_refuses_stops_cleanly():
+    """Under SecAgg+ all-zero weights make Flower divide by zero: the aggregate arrives as NaN.
+    The strategy sees that every client refused, keeps the adapter and stops the run normally."""
+    initial = [np.ones((2, 2), np.float32)]
+    strategy = strategy_for(initial, secure=True, min_fit_clients=3)
+    proxies = FakeClientManager(["0", "1", "2"]).clients
+    refused = [(proxies[c], fit_res([np.full((2, 2), np.nan)], 0, partition_id=int(c), status=STATUS_BUDGET,
+                                    epsilon_budget=1.0, epsilon_next=2.0)) for c in proxies]
+    with pytest.raises(StopFederation, match="every sampled client refused"):
+        strategy.aggregate_fit(1, refused, [])
+    assert np.array_equal(strategy.global_arrays[0], initial[0])
+
+
+def test_node_config_sets_its_own_epsilon_budget(tiny_config, rows):
+    from flwr.app import Context, RecordDict
+
+    from flwr_verl.client import client_from_context
+    from flwr_verl.config import ConfigError
+
+    def context(node_config):
+        return Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1, **node_config},
+                       state=RecordDict(), run_config={})
+
+    config = tiny_config(privacy={"enabled": True, "epsilon_budget": 8.0})
+    assert client_from_context(context({}), config).config.privacy.epsilon_budget == 8.0
+    assert client_from_context(context({"epsilon-budget": 1.5}), config).config.privacy.epsilon_budget == 1.5
+    with pytest.raises(ConfigError, match="privacy.epsilon_budget=-1.0 is invalid"):
+        client_from_context(context({"epsilon-budget": -1.0}), config)
+
+
+def test_checkpoints_are_atomic_and_resume_reconciles_metrics(tiny_config, tmp_path):
+    """Killed between saving round 2 and appending its metrics, with a half-written round 3 and a
+    metrics line of a round that has no checkpoint: resume sees rounds 1 and 2, once each."""
+    config = tiny_config()
+    adapters = build_models(config.model, with_critic=False).adapters
+    strategy = strategy_for(adapters.get_arrays())
+    run = RunDirectory(tmp_path / "run-x", adapters)
+    for server_round in (1, 2):
+        strategy.weights[0].data += 0.125  # a change only float64 holds exactly
+        strategy.weights[0].data += 1e-12
+        record = {"round": server_round, "fit": {"num_clients": 3}}
+        run.save(server_round, strategy, record, final=False)
+        if server_round == 1:
+            run.append_metrics(record)
+    run.append_metrics({"round": 3, "fit": {}})  # save-every > 1: a round after the checkpoint
+    (run.path / "adapters" / ".round-0003.tmp").mkdir()  # killed while writing round 3
+    expected = [w.detach().numpy().copy() for w in strategy.weights]
+
+    resumed = RunDirectory(run.path, build_models(config.model, with_critic=False).adapters)
+    done, state = resumed.last_checkpoint()
+    assert done == 2 and [r["round"] for r in resumed.records()] == [1, 2]
+    assert all(np.array_equal(a, b) for a, b in zip(state["weights"], expected))  # float64, exactly
+    assert fingerprint(resumed.adapters.get_arrays()) == state["fingerprint"] == fingerprint(strategy.global_arrays)
+
+
+# ============================================================================ real processes
+def run_config(out: Path, **overrides) -> dict:
+    return {**FAULT_RUN, "output-dir": str(out), **overrides}
+
+
+def wait_until(predicate, timeout: float, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run ended before {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+FIT_STAGE = 3  # SecAgg+ sends 4 train messages per round; the 3rd carries the fit instructions
+
+
+def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen) -> None:
+    """Kill SuperNodes ``indices`` as soon as each receives the SecAgg+ fit-stage message of the
+    round that is starting, before its ClientApp can answer."""
+    baseline = {i: count_in(deployment.supernodes[i].log, "Receiving: train message") for i in indices}
+    pending = set(indices)
+    deadline = time.monotonic() + 600
+    while pending and time.monotonic() < deadline:
+        for i in sorted(pending):
+            if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + FIT_STAGE:
+                deployment.kill_supernode(i)
+                pending.discard(i)
+        if process.poll() is not None:
+            raise AssertionError("the run ended before the fit stage")
+        time.sleep(0.1)
+    assert not pending, "timed out waiting for the fit stage"
+
+
+def restart(deployment, indices) -> None:
+    for i in indices:
+        if deployment.supernodes[i].process.poll() is not None:
+            deployment.start_supernode(i)
+    for i in indices:
+        deployment.wait_supernode(i)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    with local_deployment(tmp_path_factory.mktemp("faults") / "fl", num_supernodes=3) as deployment:
+        yield deployment
+
+
+@pytest.mark.slow
+def test_supernode_killed_during_secagg_round_survivors_complete_it(federation, tmp_path):
+    out = tmp_path / "out"
+    config = run_config(out, **{"num-server-rounds": 1})
+    log = tmp_path / "run.log"
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [2], process)
+        text = finish(process, log)
+    finally:
+        restart(federation, [2])
+    (run_dir,) = run_directories(out)
+    (record,) = records(run_dir)
+    assert "Secure aggregation completed" in text and "Traceback" not in text, text
+    assert record["clients"] == [0, 1] and record["fit"]["num_clients"] == 2 and record["fit"]["num_failures"] >= 1
+
+    initial = initial_adapter(config)
+    delta = [a - b for a, b in zip(saved_adapter(run_dir / "adapters" / "final", config), initial)]
+    updates = replay_updates(config, [0, 1, 2], 3, initial)
+    assert max_abs(delta, weighted_mean(updates[:2])) < ATOL  # the mean over the survivors
+    assert max_abs(delta, weighted_mean(updates)) > 100 * ATOL  # and not over all three
+
+
+@pytest.fixture(scope="module")
+def failed_client_then_resumed(federation, tmp_path_factory):
+    """Round 1 with partition 1's fit raising; the ServerApp SIGKILLed once round 1 is saved;
+    `flwr run` again with resume=true (and no injected failure) runs round 2."""
+    root = tmp_path_factory.mktemp("resume")
+    out = root / "out"
+    first = run_config(out, **{"num-server-rounds": 2, "inject-failure-partition": 1})
+    log1, log2 = root / "run1.log", root / "run2.log"
+    process = federation.flwr_run_background(REPO, first, log1)
+    try:
+        wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.pt")), 600,
+                   "the round-1 checkpoint", process)
+        servers = federation.serverapp_processes()
+        assert servers, "no ServerApp process found"
+        for server in servers:
+            server.kill()
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    (run_dir,) = run_directories(out)
+    killed_after = [r["round"] for r in records(run_dir)]
+    saved = torch.load(run_dir / "adapters" / "round-0001" / "server_state.pt", weights_only=False)
+    resumed = federation.flwr_run(REPO, {**first, "resume": True, "inject-failure-partition": -1}, timeout=600)
+    return {"run_dir": run_dir, "config": first, "killed_after": killed_after, "saved": saved,
+            "first_log": log1.read_text(errors="replace"), "resumed_log": resumed.stdout + resumed.stderr}
+
+
+@pytest.mark.slow
+def test_failing_client_is_a_failure_of_the_round_and_never_aggregated(failed_client_then_resumed):
+    run = failed_client_then_resumed
+    first = records(run["run_dir"])[0]
+    assert first["round"] == 1 and first["clients"] == [0, 2] and first["fit"]["num_clients"] == 2
+    assert any("partition 1: RuntimeError: injected failure in partition 1" in f for f in first["failures"])
+    assert "round 1: client failure: partition 1: RuntimeError: injected failure in partition 1" in run["first_log"]
+
+    initial = initial_adapter(run["config"])
+    delta = [a - b for a, b in zip(saved_adapter(run["run_dir"] / "adapters" / "round-0001", run["config"]), initial)]
+    updates = replay_updates(run["config"], [0, 1, 2], 3, initial)
+    assert max_abs(delta, weighted_mean([updates[0], updates[2]])) < ATOL
+    assert max_abs(delta, weighted_mean(updates)) > 100 * ATOL
+
+
+@pytest.mark.slow
+def test_server_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(failed_client_then_resumed):
+    run = failed_client_then_resumed
+    run_dir, log = run["run_dir"], run["resumed_log"]
+    assert run["killed_after"] == [1]
+    match = re.search(r"resume: (\S+) continues after round (\d+) from adapter ([0-9a-f]{16})", log)
+    assert match, log
+    assert Path(match[1]) == run_dir and match[2] == "1"
+    on_disk = fingerprint(saved_adapter(run_dir / "adapters" / "round-0001", run["config"]))
+    assert match[3] == run["saved"]["fingerprint"] == on_disk  # the adapter it restarted from is the saved one
+    rounds = records(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2]  # nothing lost, nothing repeated
+    assert rounds[1]["fit"]["num_clients"] == 3
+    assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the privacy ledger carried over
+    assert (run_dir / "adapters" / "final" / "policy").is_dir()
+    # Flower counts the resumed run's rounds from 1; the app's own round numbers go on from 2.
+    assert "round 2: reward" in log and "round 1: reward" not in log and log.count("Secure aggregation completed") == 1
+
+
+@pytest.mark.slow
+def test_too_few_survivors_fail_the_round_cleanly_and_keep_the_adapter(federation, failed_client_then_resumed,
+                                                                        tmp_path):
+    run = failed_client_then_resumed
+    run_dir = run["run_dir"]
+    before = tree_digest(run_dir / "adapters")
+    log = tmp_path / "run3.log"
+    config = {**run["config"], "resume": True, "inject-failure-partition": -1, "num-server-rounds": 3}
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [1, 2], process)
+        text = finish(process, log)
+    finally:
+        restart(federation, [1, 2])
+    assert "round 3: secure aggregation halted at stage 'collect masked vectors': 1 of 3 sampled clients" in text, text
+    assert "flwr-verl: run failed: RoundFailed: round 3:" in text and "Traceback" not in text, text
+    assert "the run directory keeps the adapter of round 0002" in text
+    assert tree_digest(run_dir / "adapters") == before  # the global adapter stays as it was
+    assert not (run_dir / "adapters" / "round-0003").exists()
+    assert [r["round"] for r in records(run_dir)] == [1, 2]
+    assert federation.flwr_ls()[-1]["status"] == "finished:failed"
