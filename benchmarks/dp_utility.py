@@ -186,7 +186,7 @@ def plot(runs: list[dict], summary: dict, path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])
+    parser.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 3.0, 8.0])
     parser.add_argument("--iterations", type=int, default=80, help="local iterations per client, all rounds")
     parser.add_argument("--local-iterations", type=int, default=10, help="local iterations per round")
     parser.add_argument("--clients", type=int, default=3)

@@ -150,9 +150,6 @@ class LocalDeployment:
         """The environment for the ``flwr`` CLI (and the SuperLink): FLWR_HOME holds the connection."""
         return base_env(self.flwr_home, str(self.root))
 
-    def _tls_args_client(self) -> list[str]:
-        return ["--root-certificates", str(self.certs.ca_cert)] if self.tls else ["--insecure"]
-
     def _record(self, command: list[str], env_note: str = "") -> None:
         self.commands.append((env_note + " " if env_note else "") + " ".join(_quote(c) for c in command))
 
@@ -212,11 +209,15 @@ class LocalDeployment:
         if done.returncode != 0:
             raise RuntimeError(f"flwr supernode register failed:\n{done.stdout}\n{done.stderr}")
 
-    def supernode_command(self, index: int, key: Path | None = None) -> list[str]:
+    def supernode_command(self, index: int, key: Path | None = None, *, port: int | None = None,
+                          root_certificates: Path | None = None, insecure: bool | None = None) -> list[str]:
+        """The ``flower-supernode`` command line of SuperNode ``index`` (overrides for tests of refusals)."""
         node = self.supernodes[index]
         node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in node.node_config.items())
-        command = [_exe("flower-supernode"), *self._tls_args_client(), "--superlink", self.address,
-                   "--node-config", node_config, "--host", HOST, "--port", str(node.port)]
+        insecure = (not self.tls) if insecure is None else insecure
+        tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates or self.certs.ca_cert)]
+        command = [_exe("flower-supernode"), *tls, "--superlink", self.address, "--node-config", node_config,
+                   "--host", HOST, "--port", str(port or node.port)]
         key = key or (node.key.private_key if node.key else None)
         if key:
             command += ["--auth-supernode-private-key", str(key)]

@@ -69,6 +69,7 @@ def effective_noise_multiplier(noise_multiplier: float, ppo_epochs: int) -> floa
 
 def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
     """Epsilon spent by ``history`` at ``delta``, from Opacus's accountant."""
+    history = [entry for entry in history if entry[2] > 0]  # no step, no release (PRV fails on them)
     if not history:
         return 0.0
     if any(sigma == 0 for sigma, _, _ in history):
@@ -80,6 +81,8 @@ def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
 
 def record_iterations(history: History, noise_multiplier: float, ppo_epochs: int, q: float, iterations: int) -> History:
     """``history`` extended by ``iterations`` local iterations (merged like Opacus's accountants)."""
+    if iterations == 0:
+        return list(history)
     step = (effective_noise_multiplier(noise_multiplier, ppo_epochs), q)
     if history and tuple(history[-1][:2]) == step:
         return history[:-1] + [(*step, history[-1][2] + iterations)]

@@ -58,7 +58,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 from flwr_verl.config import RunConfig, parse_run_config
 from flwr_verl.models import AdapterSet, build_models, load_adapter_into
 from flwr_verl.secagg import derive_parameters
-from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation, describe_failure
+from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation, describe_failures
 
 
 def fingerprint(arrays: list[np.ndarray]) -> str:
@@ -97,7 +97,7 @@ class CheckedSecAggPlusWorkflow(SecAggPlusWorkflow):
         sampled = len(state.sampled_node_ids)
         if not sampled:
             return f"round {round_number}: secure aggregation halted at stage '{stage}': too few clients sampled"
-        reasons = "; ".join(describe_failure(f) for f in state.failures) or "no reply before secagg.timeout"
+        reasons = "; ".join(describe_failures(state.failures)) or "no reply before secagg.timeout"
         return (f"round {round_number}: secure aggregation halted at stage '{stage}': "
                 f"{len(state.active_node_ids)} of {sampled} sampled clients still taking part, fewer than the "
                 f"reconstruction threshold {state.threshold} allows. Client failures: {reasons}")
@@ -181,12 +181,13 @@ class RunDirectory:
 
     def reconcile_metrics(self, done: int, record: dict | None) -> None:
         """Make ``metrics.jsonl`` hold exactly rounds 1..done once each, as the checkpoint saw them."""
-        kept = {r["round"]: r for r in self.records() if r.get("round", 0) <= done}
+        before = self.records()
+        kept = {r["round"]: r for r in before if r.get("round", 0) <= done}
         if record is not None:
             kept[done] = record
-        dropped = len(self.records()) - len(kept)
-        if dropped or len(kept) != len(self.records()):
-            log(INFO, "resume: metrics.jsonl reconciled with the round-%s checkpoint", done)
+        if [kept[r] for r in sorted(kept)] != before:
+            log(INFO, "resume: metrics.jsonl reconciled with the round-%s checkpoint (%s records kept, %s before)",
+                done, len(kept), len(before))
         tmp = self.path / ".metrics.jsonl.tmp"
         tmp.write_text("".join(json.dumps(kept[r]) + "\n" for r in sorted(kept)))
         os.replace(tmp, self.path / "metrics.jsonl")
@@ -276,8 +277,9 @@ def run_server(grid: Grid, context: Context) -> Path:
         run.finalize()
     except RoundFailed:
         kept = sorted(run.path.glob("adapters/round-*/server_state.pt"))
-        where = (f"the run directory keeps the adapter of round {kept[-1].parent.name.removeprefix('round-')} "
-                 f"({kept[-1].parent}); resume=true continues from it" if kept else "no round was completed")
+        last = kept[-1].parent if kept else None
+        where = (f"the run directory keeps the adapter of round {int(last.name.removeprefix('round-'))} ({last}); "
+                 "resume=true continues from it" if last else "no round was completed")
         log(WARNING, "flwr-verl: the global adapter was not changed by the failed round; %s", where)
         raise
     log(INFO, "flwr-verl: finished; outputs in %s", run.path)

@@ -90,6 +90,19 @@ def describe_failure(failure: tuple[ClientProxy, FitRes] | BaseException) -> str
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
+def describe_failures(failures: Failures) -> list[str]:
+    """``describe_failure`` for each failed client once (Flower's SecAgg+ workflow lists a client
+    that failed in the fit stage twice, with the same error object)."""
+    seen: set[int] = set()
+    out = []
+    for failure in failures:
+        key = id(failure.args[0]) if isinstance(failure, BaseException) and failure.args else id(failure)
+        if key not in seen:
+            seen.add(key)
+            out.append(describe_failure(failure))
+    return out
+
+
 class _Not(Criterion):
     def __init__(self, excluded: set[str]) -> None:
         self.excluded = excluded
@@ -178,7 +191,7 @@ class FedProxAdapters(Strategy):
                 f"only {eligible} of {num_available} clients can train another round within their privacy "
                 f"budget (min-fit-clients={self.config.min_fit_clients}); stopping after round "
                 f"{self.last_completed_round}. Exhausted: {sorted(self.exhausted.values())}")
-        sample_size = min(max(int(eligible * self.config.fraction_fit), self.config.min_fit_clients), eligible)
+        sample_size = max(int(eligible * self.config.fraction_fit), self.config.min_fit_clients)  # <= eligible
         clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients,
                                         criterion=_Not(set(self.exhausted)) if self.exhausted else None)
         return [(client, FitIns(parameters, config)) for client in clients]
@@ -186,7 +199,7 @@ class FedProxAdapters(Strategy):
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         round_number = server_round + self.round_offset
-        messages = [describe_failure(f) for f in failures]
+        messages = describe_failures(failures)
         for _, res in results:
             if "privacy_history" in res.metrics:
                 self.privacy_ledger[str(res.metrics["partition_id"])] = json.loads(str(res.metrics["privacy_history"]))

@@ -207,7 +207,8 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
     for partition in partitions:
         client = VerlClient(engine, cached_rows(engine, "train", partition, num_partitions),
                             cached_rows(engine, "val", partition, num_partitions), partition_id=partition)
-        update, num_examples, _ = client.fit([a.copy() for a in global_arrays], dict(fit_ins.config))
+        fit_config = {**fit_ins.config, "fail_partition": -1}  # replay what it would have sent
+        update, num_examples, _ = client.fit([a.copy() for a in global_arrays], fit_config)
         out.append((update, num_examples))
     return out
 

@@ -430,6 +430,15 @@ def test_history_composes_across_fits_and_noise_levels():
     assert epsilon([(0.0, q, 1)], DELTA) == math.inf
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_a_fit_of_zero_iterations_spends_nothing(accountant):
+    assert record_iterations([], 1.0, 1, 0.1, 0) == []
+    history = record_iterations([(1.0, 0.1, 5)], 0.7, 1, 0.1, 0)
+    assert history == [(1.0, 0.1, 5)]
+    assert epsilon([(1.0, 0.1, 0)], DELTA, accountant) == 0.0  # RDP alone would say 0.10; PRV would crash
+    assert epsilon([(1.0, 0.1, 0), (1.0, 0.1, 5)], DELTA, accountant) == epsilon([(1.0, 0.1, 5)], DELTA, accountant)
+
+
 def test_prv_epsilon_matches_independent_computation():
     history = [(1.0, 0.016, 1000)]
     ours = epsilon(history, DELTA, accountant="prv")

@@ -1,0 +1,151 @@
+"""Deployment: the app on a real SuperLink with 3 SuperNodes, over TLS with SuperNode authentication.
+
+``deploy/launch.py`` starts everything on 127.0.0.1: a throwaway CA and server certificate
+(``cryptography``), a SuperLink with ``--ssl-*`` and ``--enable-supernode-auth``, one key pair per
+SuperNode registered with ``flwr supernode register``, and SuperNodes with ``--root-certificates``,
+``--auth-supernode-private-key`` and ``--node-config "partition-id=i num-partitions=3"``. The run
+is the simulation test's (2 rounds, DP and SecAgg+ on) and is checked the same way. Then nodes
+that must be refused are: one with an unregistered key, one without TLS, one that trusts another CA.
+Every process is stopped at the end, whatever happened (``local_deployment``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from deploy.certs import make_node_key, make_tls
+from deploy.launch import base_env, free_port, kill_processes_with_env
+from flwr_verl.config import ModelConfig, parse_run_config
+from flwr_verl.models import AdapterSet, build_models, resolve_model_path
+from flwr_verl.privacy import epsilon, record_iterations, sample_rate
+from tests.flower_harness import REPO, SMALL_RUN, local_deployment, records, run_directories, tree_digest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    with local_deployment(tmp_path_factory.mktemp("deploy") / "fl", num_supernodes=3, tls=True, auth=True) as fed:
+        yield fed
+
+
+def budget_for_two_rounds() -> float:
+    """An epsilon budget that SMALL_RUN's clients can spend in 2 rounds but not in 3."""
+    engine = parse_run_config(SMALL_RUN).engine
+    q = sample_rate(engine.data.train_batch_size, engine.data.train_size)
+    per_round = engine.trainer.local_iterations
+    two, three = (epsilon(record_iterations([], engine.privacy.noise_multiplier, engine.actor.ppo_epochs, q,
+                                            k * per_round), engine.privacy.delta) for k in (2, 3))
+    return (two + three) / 2
+
+
+@pytest.fixture(scope="module")
+def deployed_run(deployment, tmp_path_factory):
+    """The simulation test's run (2 rounds), asked for 3 rounds under an epsilon budget that lasts 2:
+    after round 2 every client reports that one more round would exceed it, and the run ends
+    normally with round 2's adapter as the final one."""
+    out = tmp_path_factory.mktemp("deploy-out")
+    config = {**SMALL_RUN, "num-server-rounds": 3, "privacy.epsilon_budget": budget_for_two_rounds(),
+              "output-dir": str(out)}
+    done = deployment.flwr_run(REPO, config, timeout=900)
+    runs = run_directories(out)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and runs, f"flwr run failed:\n{log[-6000:]}"
+    return runs[-1], log, deployment.flwr_ls()
+
+
+def test_the_federation_is_tls_with_supernode_auth(deployment):
+    superlink_log = deployment.superlink_log.read_text()
+    assert "--insecure" not in " ".join(deployment.commands) and "--enable-supernode-auth" in deployment.commands[0]
+    assert "SuperNode authentication is disabled" not in superlink_log
+    config = (deployment.flwr_home / "config.toml").read_text()
+    assert f'address = "127.0.0.1:{deployment.port}"' in config and "root-certificates" in config
+    assert "insecure" not in config
+    for node in deployment.supernodes:
+        text = node.log.read_text()
+        assert "SuperNode ID:" in text and "insecure" not in text.lower()
+
+
+def test_every_round_is_recorded_with_epsilon(deployed_run):
+    run_dir, _, _ = deployed_run
+    rounds = records(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2]
+    for record in rounds:
+        assert record["fit"]["num_clients"] == 3 and record["clients"] == [0, 1, 2]
+        assert record["fit"]["epsilon_total"] > 0
+        assert 0 <= record["evaluate"]["reward"] <= 1
+    assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]
+    assert (run_dir / "progress.png").stat().st_size > 0
+
+
+def test_global_adapter_changed_and_loads_with_peft(deployed_run):
+    run_dir, _, _ = deployed_run
+    initial = build_models(ModelConfig(), with_critic=False, seed=0).adapters.get_arrays()
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(ModelConfig()), local_files_only=True)
+    final = PeftModel.from_pretrained(base, run_dir / "adapters" / "final" / "policy", is_trainable=True)
+    trained = AdapterSet({"policy": final}).get_arrays()
+    assert [a.shape for a in trained] == [a.shape for a in initial]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(trained, initial)) > 1e-4
+
+
+def test_secure_aggregation_ran_and_the_run_completed(deployed_run):
+    _, log, listing = deployed_run
+    assert log.count("Secure aggregation completed") == 2
+    assert "Secure aggregation halted" not in log and "Traceback" not in log
+    assert listing[-1]["status"] == "finished:completed", listing
+
+
+def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
+    run_dir, log, _ = deployed_run
+    assert log.count("; not sampled again") == 3  # each client, once, after round 2
+    assert "flwr-verl: only 0 of 3 clients can train another round within their privacy budget" in log, log
+    assert "stopping after round 2" in log and "[ROUND 3]" in log and "round 3: reward" not in log
+    assert tree_digest(run_dir / "adapters" / "final") == tree_digest(run_dir / "adapters" / "round-0002")
+    budget = budget_for_two_rounds()
+    assert all(r["fit"]["epsilon_total"] <= budget for r in records(run_dir))
+
+
+def refused(deployment, command: list[str], tmp_path, name: str) -> str:
+    """Run a SuperNode that must not get in; return its output once it gave up."""
+    home = tmp_path / f"home-{name}"
+    home.mkdir()
+    log = home / "supernode.log"
+    with open(log, "wb") as handle:  # not a pipe: the SuperExec it spawns would hold that open
+        process = subprocess.Popen(command + ["--max-retries", "2", "--max-wait-time", "20"], cwd=home,
+                                   env=base_env(home, str(deployment.root)), stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        assert process.wait(timeout=120) != 0, log.read_text()
+    finally:
+        process.kill()
+        kill_processes_with_env("FLWR_HOME", str(home))
+    return log.read_text(errors="replace")
+
+
+def test_supernode_with_an_unregistered_key_is_refused(deployment, tmp_path):
+    rogue = make_node_key(tmp_path, "rogue")
+    out = refused(deployment, deployment.supernode_command(0, key=rogue.private_key, port=free_port()), tmp_path,
+                  "rogue")
+    assert "Failed to initialize the connection to the SuperLink" in out, out
+
+
+def test_supernode_without_tls_or_trusting_another_ca_is_refused(deployment, tmp_path):
+    key = deployment.supernodes[0].key.private_key  # a registered key: only the transport is wrong
+    plain_command = deployment.supernode_command(0, port=free_port(), insecure=True)
+    at = plain_command.index("--auth-supernode-private-key")  # Flower itself refuses a key without TLS
+    plain = refused(deployment, plain_command[:at] + plain_command[at + 2:], tmp_path, "plain")
+    other_ca = make_tls(tmp_path / "other-ca").ca_cert
+    forged = refused(deployment, deployment.supernode_command(0, key=key, port=free_port(), root_certificates=other_ca),
+                     tmp_path, "other-ca")
+    for out in (plain, forged):
+        assert "SuperNode ID:" not in out and "Failed to initialize the connection" in out, out
+    assert "CERTIFICATE_VERIFY_FAILED" in forged, forged
+    nodes = subprocess.run(["flwr", "supernode", "ls", deployment.connection, "--format", "json"],
+                           env=deployment.env, cwd=deployment.root, capture_output=True, text=True, timeout=60)
+    online = [n for n in json.loads(nodes.stdout).get("nodes", []) if n.get("status") == "online"]
+    assert len(online) == 3, nodes.stdout  # only the three registered, TLS-verified SuperNodes
