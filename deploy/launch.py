@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -303,7 +304,14 @@ class LocalDeployment:
             runs = json.loads(done.stdout).get("runs", [])
         except json.JSONDecodeError:
             return []
-        return sorted(runs, key=lambda r: str(r.get("created-at", "")))
+        return sorted(runs, key=lambda r: str(r.get("pending-at", "")))
+
+    def run_status(self, flwr_run_output: str) -> str | None:
+        """The SuperLink's status (``finished:completed``, ``finished:failed``, ...) of the run that a
+        ``flwr run`` output names (``flwr run`` itself exits 0 either way)."""
+        match = re.search(r"Successfully started run (\d+)", flwr_run_output)
+        runs = {r.get("run-id"): r for r in self.flwr_ls()}
+        return runs.get(match[1], {}).get("status") if match else None
 
     def serverapp_processes(self) -> list[psutil.Process]:
         return [p for p in processes_with_env(MARKER, str(self.root))

@@ -22,8 +22,14 @@ A round that would spend more than the client's epsilon budget is refused, not f
 update with weight 0 and ``status = "privacy_budget_exhausted"``. After every fit the client
 also reports ``epsilon_next`` (what one more round would bring it to), so the strategy stops
 sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
-config, or the node's own ``epsilon-budget`` in its node config, which takes precedence: the
-data owner, not the server, decides how much privacy its data may spend.
+config, or the node's own ``epsilon-budget`` from its node config when that is stricter: the
+data owner can always spend less of its data's privacy than the federation's config allows.
+
+Node config keys read here: ``partition-id`` and ``num-partitions`` (which share of the data
+this node trains on), ``epsilon-budget`` (above), and ``client-id``: the name under which the
+server's privacy ledger keeps this client's accounting (default: the partition id). Set it when
+organisations bring their own data (``partition-id=0 num-partitions=1`` on every node), so that
+their ledgers do not collide.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from flwr_verl.trainer import LocalPPOTrainer
 STATE_KEY = "flwr_verl"
 STATUS_OK = "ok"
 STATUS_BUDGET = "privacy_budget_exhausted"
-NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, overrides the run config
+NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
+NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in the server's privacy ledger
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
@@ -96,9 +103,10 @@ class VerlClient(NumPyClient):
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, state: ConfigRecord | None = None,
-                 compute_score=None) -> None:
+                 compute_score=None, client_id: str | None = None) -> None:
         self.config = config
         self.partition_id = partition_id
+        self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
         compute_score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
         preflight_reward(compute_score, train_rows or val_rows)
@@ -121,7 +129,8 @@ class VerlClient(NumPyClient):
         history = self._privacy_history(config)
         privacy = self.config.privacy
         sigma = self._noise_multiplier(config)
-        metrics: dict[str, Any] = {"partition_id": self.partition_id, "bytes_received": _nbytes(parameters)}
+        metrics: dict[str, Any] = {"partition_id": self.partition_id, "client_id": self.client_id,
+                                   "bytes_received": _nbytes(parameters)}
 
         q = sample_rate(self.config.data.train_batch_size, len(self.train_rows)) if privacy.enabled else 0.0
         if privacy.enabled:
@@ -188,7 +197,7 @@ class VerlClient(NumPyClient):
     def _privacy_history(self, config: dict[str, Any]) -> History:
         """The longer of this client's own record and the server's ledger (which survives restarts)."""
         own = json.loads(str(self.state.get("privacy_history", "[]")))
-        ledger = json.loads(str(config.get("privacy_ledger", "{}"))).get(str(self.partition_id), [])
+        ledger = json.loads(str(config.get("privacy_ledger", "{}"))).get(self.client_id, [])
         longest = max([own, ledger], key=lambda h: sum(steps for *_, steps in h))
         return [tuple(entry) for entry in longest]
 
@@ -214,14 +223,16 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, state=context.state.config_records[STATE_KEY],
+        client_id=context.node_config.get(NODE_CLIENT_ID),
     )
 
 
 def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:
-    """``config`` with the node's own ``epsilon-budget`` (node config), when it sets one."""
+    """``config`` with the stricter of its epsilon budget and the node's own ``epsilon-budget``."""
     if budget is None:
         return config
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ConfigError(f"node config {NODE_EPSILON_BUDGET}={budget!r} is invalid: must be a number >= 0")
-    privacy = dataclasses.replace(config.privacy, epsilon_budget=float(budget))
-    return dataclasses.replace(config, privacy=privacy)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"node config {NODE_EPSILON_BUDGET}={budget!r} is invalid: must be a number > 0")
+    federation_budget = config.privacy.epsilon_budget
+    strictest = min(float(budget), federation_budget) if federation_budget > 0 else float(budget)
+    return dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, epsilon_budget=strictest))

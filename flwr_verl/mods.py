@@ -4,7 +4,8 @@
   plain messages pass through, so one ClientApp serves runs with SecAgg+ on and off.
 - ``concise_errors``: the outermost client mod. An exception raised while handling a message
   (bad data, a reward function that fails, a wrong adapter shape, ...) becomes an error reply
-  whose reason is one line, ``partition <i>: <ErrorType>: <message>``; the server reports it
+  whose reason is one line, ``partition <i>: <ErrorType>: <message>`` (``client <client-id>: ...``
+  when the node config names one); the server reports it
   with the round's failures. A ``FlwrVerlError`` is logged on the node as one ERROR line; any
   other exception is a bug and keeps its traceback in the node's log.
 - ``ConciseErrors``: a filter for Flower's logger that prints a ``FlwrVerlError`` escaping an
@@ -45,7 +46,9 @@ def concise_errors(msg: Message, context: Context, call_next: ClientAppCallable)
     try:
         return call_next(msg, context)
     except Exception as error:  # noqa: BLE001 - every failure must reach the server as a reply
-        reason = f"partition {context.node_config.get('partition-id', '?')}: {describe(error)}"
+        node = context.node_config
+        who = f"client {node['client-id']}" if "client-id" in node else f"partition {node.get('partition-id', '?')}"
+        reason = f"{who}: {describe(error)}"
         if isinstance(error, FlwrVerlError):
             log(ERROR, "flwr-verl: %s", reason)
         else:

@@ -202,7 +202,8 @@ class FedProxAdapters(Strategy):
         messages = describe_failures(failures)
         for _, res in results:
             if "privacy_history" in res.metrics:
-                self.privacy_ledger[str(res.metrics["partition_id"])] = json.loads(str(res.metrics["privacy_history"]))
+                owner = str(res.metrics.get("client_id", res.metrics.get("partition_id")))
+                self.privacy_ledger[owner] = json.loads(str(res.metrics["privacy_history"]))
         self._note_budgets(results)
         refused = [(p, r) for p, r in results if r.metrics.get("status") == STATUS_BUDGET]
         contributing = [(p, r) for p, r in results if r.num_examples > 0 and r.metrics.get("status") != STATUS_BUDGET]

@@ -57,7 +57,7 @@ def deployed_run(deployment, tmp_path_factory):
     runs = run_directories(out)
     log = done.stdout + done.stderr
     assert done.returncode == 0 and runs, f"flwr run failed:\n{log[-6000:]}"
-    return runs[-1], log, deployment.flwr_ls()
+    return runs[-1], log, deployment.run_status(log)
 
 
 def test_the_federation_is_tls_with_supernode_auth(deployment):
@@ -95,10 +95,10 @@ def test_global_adapter_changed_and_loads_with_peft(deployed_run):
 
 
 def test_secure_aggregation_ran_and_the_run_completed(deployed_run):
-    _, log, listing = deployed_run
+    _, log, status = deployed_run
     assert log.count("Secure aggregation completed") == 2
     assert "Secure aggregation halted" not in log and "Traceback" not in log
-    assert listing[-1]["status"] == "finished:completed", listing
+    assert status == "finished:completed", status
 
 
 def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):

@@ -190,7 +190,7 @@ def test_secagg_round_where_every_client_refuses_stops_cleanly():
     assert np.array_equal(strategy.global_arrays[0], initial[0])
 
 
-def test_node_config_sets_its_own_epsilon_budget(tiny_config, rows):
+def test_node_config_can_only_tighten_the_epsilon_budget(tiny_config, rows):
     from flwr.app import Context, RecordDict
 
     from flwr_verl.client import client_from_context
@@ -200,11 +200,46 @@ def test_node_config_sets_its_own_epsilon_budget(tiny_config, rows):
         return Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1, **node_config},
                        state=RecordDict(), run_config={})
 
-    config = tiny_config(privacy={"enabled": True, "epsilon_budget": 8.0})
-    assert client_from_context(context({}), config).config.privacy.epsilon_budget == 8.0
-    assert client_from_context(context({"epsilon-budget": 1.5}), config).config.privacy.epsilon_budget == 1.5
-    with pytest.raises(ConfigError, match="privacy.epsilon_budget=-1.0 is invalid"):
-        client_from_context(context({"epsilon-budget": -1.0}), config)
+    def budget(run_budget, node_config):
+        config = tiny_config(privacy={"enabled": True, "epsilon_budget": run_budget})
+        return client_from_context(context(node_config), config).config.privacy.epsilon_budget
+
+    assert budget(8.0, {}) == 8.0
+    assert budget(8.0, {"epsilon-budget": 1.5}) == 1.5  # the stricter one
+    assert budget(8.0, {"epsilon-budget": 20}) == 8.0
+    assert budget(0.0, {"epsilon-budget": 3}) == 3.0  # no federation budget: the node's
+    with pytest.raises(ConfigError, match=r"node config epsilon-budget=-1.0 is invalid: must be a number > 0"):
+        budget(8.0, {"epsilon-budget": -1.0})
+
+
+def test_privacy_ledger_is_kept_per_client_id(tiny_config, rows):
+    """Organisations with their own data all train on partition 0 of 1: ``client-id`` keeps their
+    privacy accounting apart in the server's ledger, and a client restarted without its own state
+    (a new process, a new run after a server restart) continues from its ledger entry."""
+    from flwr.app import Context, RecordDict
+
+    from flwr_verl.client import client_from_context
+
+    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True})
+
+    def client(name):
+        context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1, "client-id": name},
+                          state=RecordDict(), run_config={})
+        return client_from_context(context, config)
+
+    initial = build_models(config.model, with_critic=False).adapters.get_arrays()
+    strategy = strategy_for(initial, min_fit_clients=1)
+    manager = FakeClientManager(["a", "b"])
+    sampled = strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
+    results = []
+    for (proxy, fit_ins), name in zip(sampled, ["hospital-a", "hospital-b"]):
+        update, n, metrics = client(name).fit([a.copy() for a in initial], dict(fit_ins.config))
+        results.append((proxy, fit_res(update, n, **metrics)))
+    strategy.aggregate_fit(1, results, [])
+    assert sorted(strategy.privacy_ledger) == ["hospital-a", "hospital-b"]
+    (_, fit_ins), *_ = strategy.configure_fit(2, ndarrays_to_parameters(strategy.global_arrays), manager)
+    fresh = client("hospital-a")  # no state of its own
+    assert fresh._privacy_history(dict(fit_ins.config)) == [tuple(e) for e in strategy.privacy_ledger["hospital-a"]]
 
 
 def test_checkpoints_are_atomic_and_resume_reconciles_metrics(tiny_config, tmp_path):
@@ -394,4 +429,4 @@ def test_too_few_survivors_fail_the_round_cleanly_and_keep_the_adapter(federatio
     assert tree_digest(run_dir / "adapters") == before  # the global adapter stays as it was
     assert not (run_dir / "adapters" / "round-0003").exists()
     assert [r["round"] for r in records(run_dir)] == [1, 2]
-    assert federation.flwr_ls()[-1]["status"] == "finished:failed"
+    assert federation.run_status(text) == "finished:failed"
