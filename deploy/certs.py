@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "tls":
         files = make_tls(args.directory, args.host or ["127.0.0.1", "localhost"])
-        print(f"CA certificate: {files.ca_cert}\nserver certificate: {files.server_cert}\nserver key: {files.server_key}")
+        print(f"CA certificate: {files.ca_cert}\nserver certificate: {files.server_cert}\n"
+              f"server key: {files.server_key}")
     else:
         key = make_node_key(args.directory, args.name)
         print(f"private key: {key.private_key}\npublic key: {key.public_key}")

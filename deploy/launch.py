@@ -271,7 +271,8 @@ class LocalDeployment:
                     process.wait(timeout=5)
 
     def save_state(self) -> None:
-        (self.root / "commands.sh").write_text("#!/bin/sh\n# what deploy/launch.py ran\n" + "\n".join(self.commands) + "\n")
+        script = "#!/bin/sh\n# what deploy/launch.py ran\n" + "\n".join(self.commands) + "\n"
+        (self.root / "commands.sh").write_text(script)
         state = {"root": str(self.root), "address": self.address, "connection": self.connection, "tls": self.tls,
                  "auth": self.auth, "flwr_home": str(self.flwr_home),
                  "superlink_pid": self.superlink.pid if self.superlink else None,
@@ -326,7 +327,9 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 
 def _quote(text: str) -> str:
-    return text if text and all(c.isalnum() or c in "-_./:=@," for c in text) else "'" + text.replace("'", "'\\''") + "'"
+    if text and all(c.isalnum() or c in "-_./:=@," for c in text):
+        return text
+    return "'" + text.replace("'", "'\\''") + "'"
 
 
 def _toml_value(value) -> str:
