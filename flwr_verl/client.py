@@ -50,7 +50,6 @@ from flwr.client import NumPyClient
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models
-from flwr_verl.mods import secaggplus_when_requested  # noqa: F401 - re-exported for existing imports
 from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
