@@ -12,8 +12,8 @@ same batch is timed with and without DP, side by side, alternating the order eve
 
 The figure is the median over repeats of (DP update time / non-DP update time) measured in the
 same repeat. Peak memory is the rise of the process's peak resident set (VmHWM, reset through
-/proc/self/clear_refs) over one update, each variant in a fresh process so that memory freed
-by one variant is not reused by the next.
+/proc/self/clear_refs) over one update, each variant in a fresh process (after a warm-up update,
+median of 3, large blocks returned to the OS on free) so that RSS follows live memory.
 
     python benchmarks/dp_overhead.py [--repeats 20] [--out benchmarks/results/dp_overhead.json]
 """
@@ -132,28 +132,39 @@ def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def memory_child(variant: str) -> None:
-    """In a fresh process: peak RSS rise over one update of ``variant`` (printed as JSON)."""
+def memory_child(variant: str, repeats: int = 3) -> None:
+    """In a fresh process: peak RSS rise over one update of ``variant`` (printed as JSON).
+
+    One warm-up update first (lazy one-time allocations), then the median over ``repeats``
+    updates of (VmHWM after the update - VmRSS before it), with VmHWM reset before each. The
+    parent sets MALLOC_MMAP_THRESHOLD_ so that large blocks go back to the OS when freed and RSS
+    follows live memory instead of glibc's cached heap.
+    """
     import gc
 
     state = setup()
-    prepare(state, variant)
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    base = _kib("VmRSS")
-    state["trainer"]._update(state["batch"], num_units=state["num_units"])
-    peak = _kib("VmHWM")
-    finish(state)
-    print(json.dumps({"variant": variant, "rss_before_mib": base / 1024, "peak_rise_mib": (peak - base) / 1024}))
+    rises = []
+    for repeat in range(1 + repeats):
+        prepare(state, variant)
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = _kib("VmRSS")
+        state["trainer"]._update(state["batch"], num_units=state["num_units"])
+        peak = _kib("VmHWM")
+        finish(state)
+        if repeat:
+            rises.append((peak - base) / 1024)
+    print(json.dumps({"variant": variant, "peak_rise_mib": statistics.median(rises), "rises_mib": rises}))
 
 
 def measure_memory(variants) -> dict:
     if not Path("/proc/self/clear_refs").exists():
         return {}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = {}
     for variant in variants:
         proc = subprocess.run([sys.executable, __file__, "--memory-child", variant], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=True)
+                              env=env, check=True)
         out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 

@@ -237,3 +237,19 @@ def initial_adapter(run_config: dict | None = None):
 
     engine = parse_run_config(run_config or {}).engine
     return build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters.get_arrays()
+
+
+def assert_final_adapter_trained_and_loadable(run_dir: Path) -> None:
+    """The run's final global adapter opens with plain PEFT and differs from the initial one."""
+    import numpy as np
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flwr_verl.config import ModelConfig
+    from flwr_verl.models import AdapterSet, resolve_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(ModelConfig()), local_files_only=True)
+    final = PeftModel.from_pretrained(base, run_dir / "adapters" / "final" / "policy", is_trainable=True)
+    trained, initial = AdapterSet({"policy": final}).get_arrays(), initial_adapter()
+    assert [a.shape for a in trained] == [a.shape for a in initial]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(trained, initial)) > 1e-4

@@ -14,17 +14,21 @@ from __future__ import annotations
 import json
 import subprocess
 
-import numpy as np
 import pytest
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from deploy.certs import make_node_key, make_tls
 from deploy.launch import base_env, free_port, kill_processes_with_env
-from flwr_verl.config import ModelConfig, parse_run_config
-from flwr_verl.models import AdapterSet, build_models, resolve_model_path
+from flwr_verl.config import parse_run_config
 from flwr_verl.privacy import epsilon, record_iterations, sample_rate
-from tests.flower_harness import REPO, SMALL_RUN, local_deployment, records, run_directories, tree_digest
+from tests.flower_harness import (
+    REPO,
+    SMALL_RUN,
+    assert_final_adapter_trained_and_loadable,
+    local_deployment,
+    records,
+    run_directories,
+    tree_digest,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -85,13 +89,7 @@ def test_every_round_is_recorded_with_epsilon(deployed_run):
 
 
 def test_global_adapter_changed_and_loads_with_peft(deployed_run):
-    run_dir, _, _ = deployed_run
-    initial = build_models(ModelConfig(), with_critic=False, seed=0).adapters.get_arrays()
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(ModelConfig()), local_files_only=True)
-    final = PeftModel.from_pretrained(base, run_dir / "adapters" / "final" / "policy", is_trainable=True)
-    trained = AdapterSet({"policy": final}).get_arrays()
-    assert [a.shape for a in trained] == [a.shape for a in initial]
-    assert max(float(np.abs(a - b).max()) for a, b in zip(trained, initial)) > 1e-4
+    assert_final_adapter_trained_and_loadable(deployed_run[0])
 
 
 def test_secure_aggregation_ran_and_the_run_completed(deployed_run):
