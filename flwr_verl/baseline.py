@@ -31,6 +31,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from flwr.common.config import flatten_dict
+
 from flwr_verl.config import ConfigError, EngineConfig, parse_run_config
 from flwr_verl.data import DataError, Row, load_rows
 from flwr_verl.models import ModelLoadError
@@ -42,17 +44,6 @@ Record = dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- run config
-def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested TOML tables to dotted keys, as Flower's ``flatten_dict`` does."""
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def parse_value(text: str) -> Any:
     """A TOML literal (``3``, ``1e-3``, ``true``, ``"gae"``); anything else is taken as a string."""
     try:
@@ -67,7 +58,7 @@ def read_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
     if path:
         with open(path, "rb") as handle:
             document = tomllib.load(handle)
-        values = flatten(document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document))
+        values = flatten_dict(document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

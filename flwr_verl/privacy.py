@@ -48,10 +48,6 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 History = list[tuple[float, float, int]]  # Opacus accountant history: (noise multiplier, sample rate, steps)
 
 
-class PrivacyBudgetExceeded(RuntimeError):
-    """Training would spend more than the configured epsilon budget."""
-
-
 def sample_rate(batch_size: int, num_prompts: int) -> float:
     q = batch_size / num_prompts if num_prompts else math.inf
     if not 0 < q <= 1:
