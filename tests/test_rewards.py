@@ -101,3 +101,15 @@ def test_bad_reward_stops_training_naming_function_and_prompt(setup, function, d
     assert prompt and prompt.group(1) in {row["prompt"][0]["content"] for row in rows}, message
     with pytest.raises(RewardError):  # evaluation checks scores too
         trainer.evaluate(rows[:2])
+
+
+def test_reasoning_gym_task_rows_are_verl_rows_scored_by_its_own_checker():
+    from flwr_verl.data import task_compute_score, task_rows, validate_row
+
+    rows = task_rows("reasoning_gym:chain_sum", 4, seed=0, split="train")
+    score = task_compute_score("reasoning_gym:chain_sum")
+    for index, row in enumerate(rows):
+        validate_row(row, f"row {index}")
+        truth = row["reward_model"]["ground_truth"]
+        assert score(row["data_source"], truth, truth, row["extra_info"]) == 1.0
+        assert score(row["data_source"], "not a number", truth, row["extra_info"]) == 0.0
