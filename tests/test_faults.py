@@ -423,7 +423,9 @@ def test_too_few_survivors_fail_the_round_cleanly_and_keep_the_adapter(federatio
         text = finish(process, log)
     finally:
         restart(federation, [1, 2])
-    assert "round 3: secure aggregation halted at stage 'collect masked vectors': 1 of 3 sampled clients" in text, text
+    # The nodes die in the fit stage; the SuperLink may notice only in the next stage (heartbeats).
+    assert re.search(r"round 3: secure aggregation halted at stage '(collect masked vectors|unmask)': "
+                     r"1 of 3 sampled clients", text), text
     assert "flwr-verl: run failed: RoundFailed: round 3:" in text and "Traceback" not in text, text
     assert "the run directory keeps the adapter of round 2 (" in text
     assert tree_digest(run_dir / "adapters") == before  # the global adapter stays as it was

@@ -329,7 +329,7 @@ def test_poisson_draws_are_fresh_and_at_rate_batch_over_n(models, rows):
     trainer.iteration = lambda indices: draws.append(tuple(indices)) or {"prompts": float(len(indices))}
     result = trainer.fit(400, seed=1)
     q = batch_size / num_prompts
-    assert result.privacy_history == [(0.3, q, 400)]
+    assert result.privacy_history == [(trainer.config.privacy.noise_multiplier, q, 400)]
     period = math.ceil(num_prompts / batch_size)
     assert draws[:period] != draws[period: 2 * period], "Poisson draws repeat: subsampling is not fresh"
     assert len(set(draws)) > 300
@@ -526,7 +526,8 @@ def test_sample_rate_outside_unit_interval_raises(batch_size, num_prompts):
 
 
 def test_batch_larger_than_prompts_fails_before_training(models, rows):
-    trainer = LocalPPOTrainer(engine_config(data={"train_batch_size": 32}), rows[:20], models=models)
+    trainer = LocalPPOTrainer(engine_config(data={"train_batch_size": 32}, actor={"ppo_mini_batch_size": 32}),
+                              rows[:20], models=models)
     with pytest.raises(ConfigError, match="data.train_batch_size"):
         trainer.fit(1)
     params = trainable(models.policy)
