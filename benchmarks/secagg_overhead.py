@@ -65,6 +65,8 @@ from flwr_verl.mods import secaggplus_when_requested
 from flwr_verl.secagg import check_update, exact_update
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from deploy.launch import kill_processes, processes_with_env  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "secagg_overhead.json"
 MARKER = "FLWR_VERL_SECAGG_RUN"  # env var naming the processes of one run, for cleanup
 SPEC_ENV = "FLWR_VERL_SECAGG_SPEC"  # env var: path of the run's spec (JSON)
@@ -428,37 +430,6 @@ class FlowerRunError(RuntimeError):
     pass
 
 
-def kill_marked(marker: str) -> int:
-    """Kill every process whose environment carries this run's marker (Ray daemons included)."""
-    import psutil
-
-    victims = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and proc.environ().get(MARKER) == marker:
-                victims.append(proc)
-    for proc in victims:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(victims, timeout=5)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=5)
-    return len(victims)
-
-
-def marked_processes(marker: str) -> list[int]:
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(MARKER) == marker:
-                found.append(proc.pid)
-    return found
-
-
 def run_flower(spec: dict, timeout: float = 600, workdir: Path | None = None) -> dict:
     """Run ``spec`` in an isolated child process; return its results (and the leftover check)."""
     own_dir = workdir is None
@@ -497,8 +468,9 @@ def run_flower(spec: dict, timeout: float = 600, workdir: Path | None = None) ->
                 proc.wait()
                 code = None
     finally:
-        killed = kill_marked(marker)
-        leftover = marked_processes(marker)
+        victims = processes_with_env(MARKER, marker)
+        kill_processes(victims)
+        killed, leftover = len(victims), [p.pid for p in processes_with_env(MARKER, marker)]
         shutil.rmtree(ray_tmp, ignore_errors=True)
     log_text = log_path.read_text(errors="replace")
     if code != 0 or not result_path.exists():

@@ -9,22 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
+from deploy.launch import free_port, kill_processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 FLWR = str(Path(sys.executable).with_name("flwr"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def isolated_env(root: Path) -> dict[str, str]:
@@ -47,19 +40,7 @@ def isolated_env(root: Path) -> dict[str, str]:
 
 def kill_tree_with_env(flwr_home: str) -> None:
     """Kill every process whose environment names this FLWR_HOME (they outlive `flwr run`)."""
-    victims = []
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if process.pid != os.getpid() and process.environ().get("FLWR_HOME") == flwr_home:
-                victims.append(process)
-    for process in victims:
-        with contextlib.suppress(psutil.Error):
-            process.terminate()
-    _, alive = psutil.wait_procs(victims, timeout=5)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
+    kill_processes_with_env("FLWR_HOME", flwr_home)
 
 
 def write_run_config(path: Path, values: dict) -> Path:
@@ -98,7 +79,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
 # A SuperLink and SuperNodes as real processes (deploy/launch.py), for test_deployment,
 # test_faults and test_bad_input. Every process carries FLWR_VERL_DEPLOYMENT=<root> and is
 # killed by that marker when the context ends, whatever happened inside.
-from deploy.launch import MARKER, LocalDeployment, kill_processes_with_env  # noqa: E402
+from deploy.launch import MARKER, LocalDeployment  # noqa: E402
 
 # The simulation test's run, for deployments: 2 rounds, DP and SecAgg+ on.
 SMALL_RUN = {

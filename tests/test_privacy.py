@@ -8,7 +8,6 @@ get them restored afterwards, and every test checks that it left no Opacus hooks
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -124,6 +123,14 @@ def policy_loss(policy, data) -> torch.Tensor:
                                "seq-mean-token-mean")
 
 
+def dp_step(private, policy, batch) -> None:
+    """One DP-SGD step as the trainer takes it: backward, pool per prompt, clip + noise + step."""
+    policy_loss(policy, batch).backward()
+    pool_units(private.optimizer.params, N_RESPONSES)
+    private.optimizer.step()
+    private.optimizer.zero_grad()
+
+
 def attach(policy, optimizer, *, noise: float, max_grad_norm: float = 1.0, mode: str = "hooks",
            batch_size: int = G, num_prompts: int = 4 * G, num_mini_batches: int = 1, after_noise=None,
            seed: int = 0) -> PrivateTraining:
@@ -217,10 +224,7 @@ def test_noise_free_update_is_mean_of_clipped_unit_gradients(models, batch):
     private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm)
     try:
         assert private.optimizer.expected_batch_size == G
-        policy_loss(policy, batch).backward()
-        pool_units(private.optimizer.params, N_RESPONSES)
-        private.optimizer.step()
-        private.optimizer.zero_grad()
+        dp_step(private, policy, batch)
     finally:
         private.close()
     update = [b - p.detach() for b, p in zip(before, params)]  # SGD, lr=1: the update is -grad
@@ -375,10 +379,7 @@ def test_proximal_gradient_is_added_after_noise_and_not_clipped(models, batch):
                      after_noise=lambda _: add_proximal_gradient(params, anchor, mu))
     try:
         assert private.optimizer.expected_batch_size == G  # a term added before scaling would shrink G-fold
-        policy_loss(policy, batch).backward()
-        pool_units(private.optimizer.params, N_RESPONSES)
-        private.optimizer.step()
-        private.optimizer.zero_grad()
+        dp_step(private, policy, batch)
     finally:
         private.close()
     update = flat(b - p.detach() for b, p in zip(before, params))
