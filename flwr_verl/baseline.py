@@ -36,7 +36,7 @@ from flwr.common.config import flatten_dict
 from flwr_verl.config import ConfigError, EngineConfig, parse_run_config
 from flwr_verl.data import DataError, Row, load_rows
 from flwr_verl.models import ModelLoadError
-from flwr_verl.privacy import epsilon, noise_for_target_epsilon, record_iterations, sample_rate
+from flwr_verl.privacy import PrivacyAccount, noise_for_target_epsilon, sample_rate
 from flwr_verl.rewards import RewardError
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -96,28 +96,31 @@ def run_baseline(config: EngineConfig, iterations: int, num_clients: int = 1,
         if on_iteration is not None:
             on_iteration(record)
 
-    emit({"event": "eval", "iteration": 0, "prompts": len(val_rows), **trainer.evaluate(val_rows)})
+    def evaluation(done: int) -> Record:
+        report = trainer.evaluate(val_rows)
+        return {"event": "eval", "iteration": done, "prompts": len(val_rows),
+                **(dataclasses.asdict(report) if report else {})}
+
+    emit(evaluation(0))
     privacy = config.privacy
     noise = None  # None: privacy.noise_multiplier
     if privacy.enabled and privacy.target_epsilon > 0:
         q = sample_rate(config.data.train_batch_size, len(train_rows))
         noise = noise_for_target_epsilon(privacy, q, iterations, config.actor.ppo_epochs)
-    history, done, round_number = [], 0, 0
+    account, done, round_number = PrivacyAccount(privacy.accountant), 0, 0
     while done < iterations:
         round_number += 1
         steps = min(config.trainer.local_iterations, iterations - done)
-        result = trainer.fit(steps, privacy_history=history, noise_multiplier=noise,
-                             seed=config.trainer.seed * 1_000_003 + round_number)
+        result = trainer.fit(steps, noise_multiplier=noise, seed=config.trainer.seed * 1_000_003 + round_number)
         for step, metrics in enumerate(result.metrics, start=1):
             done += 1
             spent = {}
-            if privacy.enabled:  # epsilon after this iteration, accounted as fit accounts it
-                so_far = record_iterations(history, result.noise_multiplier, config.actor.ppo_epochs,
-                                           trainer.private.sample_rate, step)
-                spent = {"epsilon": epsilon(so_far, privacy.delta, privacy.accountant)}
+            if result.mechanism is not None:  # epsilon after this iteration, accounted as a client accounts it
+                spent = {"epsilon": account.after(result.mechanism, step).epsilon(privacy.delta)}
             emit({"event": "iteration", "iteration": done, "round": round_number, **metrics, **spent})
-        history = result.privacy_history
-    emit({"event": "eval", "iteration": done, "prompts": len(val_rows), **trainer.evaluate(val_rows)})
+        if result.mechanism is not None:
+            account.record(result.mechanism, result.iterations)
+    emit(evaluation(done))
     return records
 
 

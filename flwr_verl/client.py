@@ -8,9 +8,10 @@ both aggregate equally accurately (2.9e-9 vs 2.8e-9 max error, ``benchmarks/seca
 at a range fitted to the updates the error shrinks with it. The update is also what the server's
 optimizer needs (its pseudo-gradient). Only adapter arrays ever leave the client.
 
-Per-client state that must outlive one message (the DP accountant's history) lives in the
-Flower ``Context.state``; models are cached per process, since Flower builds a fresh client for
-every message.
+The instructions arrive as a ``protocol.FitConfig`` and the report leaves as a
+``protocol.FitReport``. Per-client state that must outlive one message (the ``PrivacyAccount``)
+lives in the Flower ``Context.state``, merged each round with the server's copy of this client's
+own account; models are cached per process, since Flower builds a fresh client for every message.
 
 What a client refuses to send, and says why (each a ``FlwrVerlError`` that the ClientApp's
 ``concise_errors`` mod turns into a one-line error reply naming the partition):
@@ -21,8 +22,8 @@ What a client refuses to send, and says why (each a ``FlwrVerlError`` that the C
 - an update that SecAgg+ would clip: ``UpdateOutOfRange``.
 
 A round that would spend more than the client's epsilon budget is refused, not failed: a zero
-update with weight 0 and ``status = "privacy_budget_exhausted"``. After every fit the client
-also reports ``epsilon_next`` (what one more round would bring it to), so the strategy stops
+update with weight 0 and status ``STATUS_BUDGET``. After every fit the client also reports
+``epsilon_next`` (what one more round would bring it to), so the strategy stops
 sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
 config, or the node's own ``epsilon-budget`` from its node config when that is stricter: the
 data owner can always spend less of its data's privacy than the federation's config allows.
@@ -37,27 +38,24 @@ their ledgers do not collide.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models
-from flwr_verl.privacy import History, epsilon, noise_for_target_epsilon, record_iterations, sample_rate
+from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
+from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, TrainingSummary
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
 from flwr_verl.trainer import LocalPPOTrainer
 
 STATE_KEY = "flwr_verl"
-STATUS_OK = "ok"
-STATUS_BUDGET = "privacy_budget_exhausted"
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
 NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in the server's privacy ledger
 
@@ -95,6 +93,23 @@ def preflight_reward(compute_score, rows: list[Row]) -> None:
                            {**row.get("extra_info", {}), PROMPT_KEY: row["prompt"][-1]["content"]})
 
 
+def summarize_training(iterations: list[dict[str, float]], seconds: float) -> TrainingSummary:
+    """One fit's iteration metrics as the report's summary (iterations without prompts, empty
+    Poisson draws, carry no training metrics)."""
+    trained = [m for m in iterations if m.get("prompts", 0) > 0] or [{}]
+
+    def mean(key: str) -> float:
+        return float(np.mean([m.get(key, math.nan) for m in trained]))
+
+    return TrainingSummary(
+        reward_before=trained[0].get("reward_mean", math.nan), reward_after=trained[-1].get("reward_mean", math.nan),
+        reward_mean=mean("reward_mean"), kl=mean("kl"), response_length=mean("response_length"),
+        pg_loss=mean("pg_loss"), time_fit=seconds,
+        **{f"time_{phase}": float(sum(m.get(f"time_{phase}", 0.0) for m in iterations))
+           for phase in ("rollout", "reward", "log_prob", "advantage", "update")},
+    )
+
+
 def _nbytes(arrays: list[np.ndarray]) -> int:
     return int(sum(a.nbytes for a in arrays))
 
@@ -109,6 +124,11 @@ class VerlClient(NumPyClient):
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
+        privacy = config.privacy
+        if privacy.enabled and train_rows and privacy.delta >= 1 / len(train_rows):
+            raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
+                              f"it must be below 1/N = {1 / len(train_rows):.3g} (at delta >= 1/N a mechanism may "
+                              "publish one prompt outright and still meet the guarantee)")
         compute_score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
         preflight_reward(compute_score, train_rows or val_rows)
         self.trainer = LocalPPOTrainer(config, train_rows, models=models or cached_models(config),
@@ -122,97 +142,86 @@ class VerlClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         start = time.perf_counter()
+        instructions = FitConfig.from_config(config)
         self.adapters.set_arrays(parameters)  # AdapterShapeError names expected and received shapes
-        if config.get("fail_partition", -1) == self.partition_id:  # fault injection for tests
+        if instructions.fail_partition == self.partition_id:  # fault injection for tests
             raise RuntimeError(f"injected failure in partition {self.partition_id}")
-        iterations = int(config.get("local_iterations", self.config.trainer.local_iterations))
-        server_round = int(config.get("server_round", 0))
-        history = self._privacy_history(config)
-        privacy = self.config.privacy
-        sigma = self._noise_multiplier(config)
-        metrics: dict[str, Any] = {"partition_id": self.partition_id, "client_id": self.client_id,
-                                   "bytes_received": _nbytes(parameters)}
+        iterations = instructions.local_iterations
+        account = self._account(instructions)
+        mechanism = self._mechanism(instructions)
+        report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=self.client_id,
+                           bytes_received=_nbytes(parameters), bytes_sent=0)
 
-        q = sample_rate(self.config.data.train_batch_size, len(self.train_rows)) if privacy.enabled else 0.0
-        if privacy.enabled:
-            planned = record_iterations(history, sigma, self.config.actor.ppo_epochs, q, iterations)
-            spent, would_spend = epsilon(history, privacy.delta, privacy.accountant), \
-                epsilon(planned, privacy.delta, privacy.accountant)
-            if privacy.epsilon_budget and would_spend > privacy.epsilon_budget:
-                # Refuse: a zero update with zero weight, which every aggregation ignores.
-                return [np.zeros_like(p) for p in parameters], 0, {
-                    **metrics, "status": STATUS_BUDGET, "epsilon_total": spent, "epsilon_round": 0.0,
-                    "epsilon_budget": privacy.epsilon_budget, "epsilon_next": would_spend,
-                    "privacy_history": json.dumps(history),
-                }
+        budget = self.config.privacy.epsilon_budget
+        if mechanism is not None and budget and account.after(mechanism, iterations).epsilon(
+                self.config.privacy.delta) > budget:
+            # Refuse: a zero update with zero weight, which every aggregation ignores.
+            refusal = dataclasses.replace(report, status=STATUS_BUDGET,
+                                          privacy=self._privacy_report(account, account, mechanism, iterations))
+            return [np.zeros_like(p) for p in parameters], 0, refusal.to_metrics()
 
-        anchor = [torch.as_tensor(a) for a in parameters[: len(self.trainer.policy_params)]]
         result = self.trainer.fit(
-            iterations, anchor=anchor, proximal_mu=float(config.get("proximal_mu", 0.0)),
-            privacy_history=history, noise_multiplier=sigma,
-            seed=self.config.trainer.seed + 100_003 * server_round + 7919 * self.partition_id,
+            iterations, anchor=parameters[: len(self.trainer.policy_params)], proximal_mu=instructions.proximal_mu,
+            noise_multiplier=mechanism.noise_multiplier if mechanism else None,
+            seed=self.config.trainer.seed + 100_003 * instructions.server_round + 7919 * self.partition_id,
         )
-        if privacy.enabled:  # spent whether or not the update is sent: record it first
-            self.state["privacy_history"] = json.dumps(result.privacy_history)
-        secure = "secagg_clipping_range" in config
+        spent = account
+        if result.mechanism is not None:  # spent whether or not the update is sent: record it first
+            spent = account.after(result.mechanism, result.iterations)
+            self.state["privacy_account"] = spent.to_json()
         # SecAgg+ quantizes in the dtype it receives: float64 keeps its 2e-9 steps (float32 alone
         # would cost ~1e-7), at no cost on the wire, where masked int64 vectors travel either way.
-        update = (exact_update(self.adapters.get_arrays(), parameters) if secure
-                  else [new - old for new, old in zip(self.adapters.get_arrays(), parameters)])
+        new = self.adapters.get_arrays()
+        update = (exact_update(new, parameters) if instructions.secagg
+                  else [n - old for n, old in zip(new, parameters)])
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
-        if secure:
-            check_update(update, len(self.train_rows), float(config["secagg_clipping_range"]),
-                         float(config["secagg_max_weight"]))
-
-        if privacy.enabled:
-            total = epsilon(result.privacy_history, privacy.delta, privacy.accountant)
-            metrics.update(epsilon_total=total, epsilon_round=total - epsilon(history, privacy.delta,
-                                                                              privacy.accountant),
-                           noise_multiplier=sigma, privacy_history=json.dumps(result.privacy_history))
-            if privacy.epsilon_budget:
-                after_next = record_iterations(result.privacy_history, sigma, self.config.actor.ppo_epochs, q,
-                                               iterations)
-                metrics.update(epsilon_budget=privacy.epsilon_budget,
-                               epsilon_next=epsilon(after_next, privacy.delta, privacy.accountant))
-        iters = [m for m in result.metrics if m.get("prompts", 0) > 0] or [{}]
-        metrics.update(
-            status=STATUS_OK,
-            reward_before=iters[0].get("reward_mean", math.nan), reward_after=iters[-1].get("reward_mean", math.nan),
-            reward_mean=float(np.mean([m.get("reward_mean", math.nan) for m in iters])),
-            kl=float(np.mean([m.get("kl", math.nan) for m in iters])),
-            response_length=float(np.mean([m.get("response_length", math.nan) for m in iters])),
-            pg_loss=float(np.mean([m.get("pg_loss", math.nan) for m in iters])),
-            bytes_sent=_nbytes(update),
-            time_fit=time.perf_counter() - start,
-            **{key: float(sum(m.get(key, 0.0) for m in result.metrics))
-               for key in ("time_rollout", "time_reward", "time_log_prob", "time_advantage", "time_update")},
+        if instructions.secagg:
+            check_update(update, len(self.train_rows), instructions.secagg.clipping_range,
+                         instructions.secagg.max_weight)
+        report = dataclasses.replace(
+            report, bytes_sent=_nbytes(update),
+            privacy=self._privacy_report(account, spent, result.mechanism, iterations) if result.mechanism else None,
+            training=summarize_training(result.metrics, time.perf_counter() - start),
         )
-        return update, len(self.train_rows), metrics
+        return update, len(self.train_rows), report.to_metrics()
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
         self.adapters.set_arrays(parameters)
         result = self.trainer.evaluate(self.val_rows)
-        if not result:
+        if result is None:
             return 0.0, 0, {}
-        return 1.0 - result["reward"], len(self.val_rows), result
+        return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
 
     # ------------------------------------------------------------------ privacy state
-    def _privacy_history(self, config: dict[str, Any]) -> History:
-        """The longer of this client's own record and the server's ledger (which survives restarts)."""
-        own = json.loads(str(self.state.get("privacy_history", "[]")))
-        ledger = json.loads(str(config.get("privacy_ledger", "{}"))).get(self.client_id, [])
-        longest = max([own, ledger], key=lambda h: sum(steps for *_, steps in h))
-        return [tuple(entry) for entry in longest]
+    def _account(self, instructions: FitConfig) -> PrivacyAccount:
+        """This client's privacy account: its own record (Flower's ``Context.state``) merged
+        with the server's copy of it, which survives the node's restarts."""
+        saved = self.state.get("privacy_account")
+        own = PrivacyAccount.from_json(str(saved)) if saved else PrivacyAccount(self.config.privacy.accountant)
+        return own.merge(instructions.privacy_account) if instructions.privacy_account else own
 
-    def _noise_multiplier(self, config: dict[str, Any]) -> float:
+    def _mechanism(self, instructions: FitConfig) -> IterationMechanism | None:
+        """What one local iteration will spend; None without privacy."""
         privacy = self.config.privacy
-        if not privacy.enabled or not privacy.target_epsilon:
-            return privacy.noise_multiplier
-        total_iterations = int(config.get("planned_iterations", self.config.trainer.local_iterations))
+        if not privacy.enabled:
+            return None
         q = sample_rate(self.config.data.train_batch_size, len(self.train_rows))
-        return noise_for_target_epsilon(privacy, q, total_iterations, self.config.actor.ppo_epochs)
+        sigma = (noise_for_target_epsilon(privacy, q, instructions.planned_iterations, self.config.actor.ppo_epochs)
+                 if privacy.target_epsilon else privacy.noise_multiplier)
+        return IterationMechanism(sigma, q, self.config.actor.ppo_epochs)
+
+    def _privacy_report(self, before: PrivacyAccount, after: PrivacyAccount, mechanism: IterationMechanism,
+                        iterations: int) -> PrivacyReport:
+        delta = self.config.privacy.delta
+        total = after.epsilon(delta)
+        return PrivacyReport(
+            account=after, epsilon_total=total, epsilon_round=total - before.epsilon(delta),
+            epsilon_next=after.after(mechanism, iterations).epsilon(delta),
+            epsilon_budget=self.config.privacy.epsilon_budget, noise_multiplier=mechanism.noise_multiplier,
+            delta=delta,
+        )
 
 
 def client_from_context(context: Context, config: EngineConfig) -> VerlClient:

@@ -11,6 +11,7 @@ what is allowed, before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -225,6 +226,10 @@ class PrivacyConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        require(self.noise_multiplier > 0 or not self.enabled or self.target_epsilon > 0,
+                "privacy.noise_multiplier", self.noise_multiplier,
+                "must be > 0 under privacy.enabled=true (no noise means epsilon = infinity; "
+                "set privacy.enabled=false to train without DP)")
         require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
         require(self.max_grad_norm > 0, "privacy.max_grad_norm", self.max_grad_norm, "must be > 0")
         require(0 < self.delta < 1, "privacy.delta", self.delta, "must be in (0, 1)")
@@ -240,6 +245,10 @@ class TrainerConfig:
     seed: int = 0
     local_iterations: int = 10  # RL iterations (rollout + update) per fit / per baseline round
     num_threads: int = 1  # torch threads; one is fastest for tiny models on shared cores
+
+    def __post_init__(self) -> None:
+        require(self.local_iterations >= 1, "trainer.local_iterations", self.local_iterations, "must be >= 1")
+        require(self.num_threads >= 1, "trainer.num_threads", self.num_threads, "must be >= 1")
 
 
 @dataclass
@@ -285,6 +294,13 @@ class EngineConfig:
 
 
 # ----------------------------------------------------------------------------- federation
+# Server optimizers: (default learning rate, largest allowed). FedAvg/FedProx is sgd at lr 1, the
+# mean update applied as is. FedAvgM's effective step is lr / (1 - momentum): its default lr,
+# 1 - server-momentum, keeps that at 1. FedAdam moves every coordinate by about +-lr on its first
+# step, whatever the update's size (Reddi et al. 2021 use 1e-3 to 1e-1 on the server): lr 1
+# wrecks a LoRA adapter, so it is capped at 0.1.
+SERVER_LEARNING_RATES = {"sgd": (1.0, 2.0), "momentum": (math.nan, 2.0), "adam": (1e-2, 0.1)}
+
 @dataclass
 class SecAggConfig:
     enabled: bool = True
@@ -313,7 +329,7 @@ class FederationConfig:
     min_available_clients: int = 3
     proximal_mu: float = 0.01
     server_optimizer: str = "sgd"  # sgd (FedAvg/FedProx), momentum (FedAvgM), adam (FedAdam)
-    server_learning_rate: float = 1.0
+    server_learning_rate: float = 0.0  # 0: the optimizer's default (SERVER_LEARNING_RATES)
     server_momentum: float = 0.9
     evaluate_every: int = 1
     save_every: int = 1
@@ -321,6 +337,15 @@ class FederationConfig:
     resume: bool = False
     inject_failure_partition: int = -1  # tests: this partition's fit raises (-1 = none)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    @property
+    def effective_server_learning_rate(self) -> float:
+        """``server-learning-rate``, or the chosen optimizer's default when it is 0."""
+        if self.server_learning_rate:
+            return self.server_learning_rate
+        if self.server_optimizer == "momentum":
+            return 1.0 - self.server_momentum
+        return SERVER_LEARNING_RATES[self.server_optimizer][0]
 
     def __post_init__(self) -> None:
         require(self.num_server_rounds >= 1, "num-server-rounds", self.num_server_rounds, "must be >= 1")
@@ -331,8 +356,11 @@ class FederationConfig:
         require(self.proximal_mu >= 0, "proximal-mu", self.proximal_mu, "must be >= 0 (0 = FedAvg)")
         require(self.server_optimizer in ("sgd", "momentum", "adam"), "server-optimizer", self.server_optimizer,
                 "allowed: sgd, momentum, adam")
-        require(self.server_learning_rate > 0, "server-learning-rate", self.server_learning_rate, "must be > 0")
         require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
+        largest = SERVER_LEARNING_RATES[self.server_optimizer][1]
+        require(self.server_learning_rate == 0 or 0 < self.server_learning_rate <= largest, "server-learning-rate",
+                self.server_learning_rate,
+                f"with server-optimizer={self.server_optimizer!r} must be in (0, {largest:g}], or 0 for its default")
         require(self.evaluate_every >= 0, "evaluate-every", self.evaluate_every, "must be >= 0 (0 = never)")
         require(self.save_every >= 1, "save-every", self.save_every, "must be >= 1")
         if self.secagg.enabled:

@@ -1,8 +1,9 @@
 """DP-SGD for the local PPO update, through Opacus, with deliberate accounting.
 
-``make_private`` is the one call that adds privacy to a trainer: like Opacus's
+``make_private`` is the one call that adds privacy to a fit: like Opacus's
 ``PrivacyEngine.make_private`` (which it calls) it takes the policy, its optimizer and the
-prompt set, and returns the DP optimizer and a Poisson sampler over prompts.
+prompt set, and returns a ``PrivateUpdate``: the DP optimizer, a Poisson sampler over prompts,
+and the mini-batch split. ``PrivacyAccount`` owns what was spent and serialises it.
 
 **Privacy unit.** One prompt with everything generated from it: its ``n`` responses, their
 rewards, advantages and the KL terms. Opacus computes one gradient per response row; the rows of
@@ -13,39 +14,42 @@ a unit are pooled into one unit gradient (``pool_units``) before Opacus clips it
 An empty draw still makes its (noise-only) steps, so the number of releases never depends on
 the data.
 
-**Accounting.** One iteration runs ``ppo_epochs`` passes over the sampled units; in each pass
-a unit enters exactly one noisy mini-batch step. Its K = ppo_epochs noisy gradient releases
-compose to a Gaussian mechanism of noise multiplier sigma / sqrt(K) (Gaussian DP composition,
-tight), and subsampling amplifies that mechanism once per iteration. So each iteration is
-recorded as one Sampled Gaussian step with (sigma / sqrt(K), q). Opacus's own step hook would
-record K independent subsampled steps, which undercounts; it is replaced here.
+**Accounting.** One iteration runs K = ``ppo_epochs`` passes over the sampled units. In each
+pass every sampled unit is assigned to one of the M mini-batches independently and uniformly
+(``PrivateUpdate.split``), so a unit's assignment never depends on which other units were
+sampled: adding or removing one unit changes exactly one mini-batch per pass, and the unit
+enters exactly one noisy step per pass. Its K releases compose to a Gaussian mechanism of noise
+multiplier sigma / sqrt(K) (Gaussian DP composition, tight), and subsampling amplifies that
+mechanism once per iteration. So each iteration is recorded as one Sampled Gaussian step with
+(sigma / sqrt(K), q): an ``IterationMechanism``. Opacus's own step hook would record K
+independent subsampled steps, which undercounts; it is removed here.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import secrets
-import warnings
 import sys
+import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from opacus import PrivacyEngine
-from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.data_loader import DPDataLoader
-from opacus.optimizers import DPOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_verl.config import ConfigError, PrivacyConfig
+from flwr_verl.config import ConfigError, FlwrVerlError, PrivacyConfig
+from flwr_verl.proximal import Proximal
+
+if TYPE_CHECKING:
+    from opacus.optimizers import DPOptimizer
 
 # Opacus warns that its secure RNG is off (we document what our seeding means instead), and
 # torch that backward hooks fire with no input requiring grad (true for frozen embeddings).
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
-
-History = list[tuple[float, float, int]]  # Opacus accountant history: (noise multiplier, sample rate, steps)
 
 
 def sample_rate(batch_size: int, num_prompts: int) -> float:
@@ -58,35 +62,116 @@ def sample_rate(batch_size: int, num_prompts: int) -> float:
     return q
 
 
-def effective_noise_multiplier(noise_multiplier: float, ppo_epochs: int) -> float:
-    """Noise multiplier of one iteration's K = ppo_epochs releases composed (sigma / sqrt(K))."""
-    return noise_multiplier / math.sqrt(ppo_epochs)
+# ----------------------------------------------------------------------------- accounting
+@dataclass(frozen=True)
+class IterationMechanism:
+    """One local iteration as a privacy mechanism: K = ``ppo_epochs`` noisy releases of every
+    unit sampled at rate ``sample_rate``, each at ``noise_multiplier``."""
+
+    noise_multiplier: float
+    sample_rate: float
+    ppo_epochs: int = 1
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """The K releases composed: one Gaussian mechanism at sigma / sqrt(K)."""
+        return self.noise_multiplier / math.sqrt(self.ppo_epochs)
 
 
-def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
-    """Epsilon spent by ``history`` at ``delta``, from Opacus's accountant."""
-    history = [entry for entry in history if entry[2] > 0]  # no step, no release (PRV fails on them)
-    if not history:
-        return 0.0
-    if any(sigma == 0 for sigma, _, _ in history):
-        return math.inf
-    account = create_accountant(accountant)
-    account.history = list(history)
-    return float(account.get_epsilon(delta=delta))
+class PrivacyAccountError(FlwrVerlError, ValueError):
+    """A serialised privacy account is malformed."""
 
 
-def record_iterations(history: History, noise_multiplier: float, ppo_epochs: int, q: float, iterations: int) -> History:
-    """``history`` extended by ``iterations`` local iterations (merged like Opacus's accountants)."""
-    if iterations == 0:
-        return list(history)
-    step = (effective_noise_multiplier(noise_multiplier, ppo_epochs), q)
-    if history and tuple(history[-1][:2]) == step:
-        return history[:-1] + [(*step, history[-1][2] + iterations)]
-    return history + [(*step, iterations)]
+@dataclass
+class PrivacyAccount:
+    """The privacy spent on one data set: a history of Sampled Gaussian steps, as Opacus's
+    accountants keep it (``(noise multiplier, sample rate, steps)``), and the accountant that
+    turns it into epsilon.
+
+    ``record`` spends; ``after`` answers "what if" without spending; ``merge`` reconciles two
+    records of the same data; ``to_json``/``from_json`` serialise it.
+    """
+
+    accountant: str = "rdp"
+    history: list[tuple[float, float, int]] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return sum(steps for _, _, steps in self.history)
+
+    def record(self, mechanism: IterationMechanism, iterations: int) -> None:
+        """Spend ``iterations`` iterations of ``mechanism`` (merged like Opacus's accountants)."""
+        if iterations < 0:
+            raise ValueError(f"iterations={iterations} must be >= 0")
+        if iterations == 0:
+            return
+        step = (mechanism.effective_noise_multiplier, mechanism.sample_rate)
+        if self.history and tuple(self.history[-1][:2]) == step:
+            self.history[-1] = (*step, self.history[-1][2] + iterations)
+        else:
+            self.history.append((*step, iterations))
+
+    def after(self, mechanism: IterationMechanism, iterations: int) -> PrivacyAccount:
+        """A copy that has also spent ``iterations`` iterations of ``mechanism``."""
+        future = PrivacyAccount(self.accountant, list(self.history))
+        future.record(mechanism, iterations)
+        return future
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon spent at ``delta``, from Opacus's accountant; infinity if any step had no noise."""
+        from opacus.accountants import create_accountant
+        from opacus.accountants.analysis import rdp
+
+        history = [entry for entry in self.history if entry[2] > 0]  # no step, no release (PRV fails on them)
+        if not history:
+            return 0.0
+        if any(sigma == 0 for sigma, _, _ in history):
+            return math.inf
+        if self.accountant == "rdp":  # what RDPAccountant.get_epsilon computes, from cached per-step RDP
+            orders = create_accountant("rdp").DEFAULT_ALPHAS
+            total = sum(_rdp_of_one_step(q, sigma) * steps for sigma, q, steps in history)
+            return float(rdp.get_privacy_spent(orders=orders, rdp=total, delta=delta)[0])
+        accountant = create_accountant(self.accountant)
+        accountant.history = history
+        return float(accountant.get_epsilon(delta=delta))
+
+    def merge(self, other: PrivacyAccount) -> PrivacyAccount:
+        """The record that has spent more (more steps; at equal steps, the higher epsilon at a
+        fixed delta). Two copies of one data set's record differ only by spends one of them has
+        not seen yet, so the longer one is the true one; taking it never under-counts."""
+        if other.accountant != self.accountant:
+            raise PrivacyAccountError(f"cannot merge a {other.accountant!r} account into a {self.accountant!r} one")
+        key = lambda account: (account.steps, account.epsilon(1e-5))  # noqa: E731
+        return PrivacyAccount(self.accountant, list(max(self, other, key=key).history))
+
+    def to_json(self) -> str:
+        return json.dumps({"accountant": self.accountant, "history": [list(entry) for entry in self.history]})
+
+    @classmethod
+    def from_json(cls, text: str) -> PrivacyAccount:
+        try:
+            data = json.loads(text)
+            history = [(float(sigma), float(q), int(steps)) for sigma, q, steps in data["history"]]
+            return cls(accountant=str(data["accountant"]), history=history)
+        except (ValueError, KeyError, TypeError) as error:
+            raise PrivacyAccountError(f"malformed privacy account {text[:120]!r}: {error}") from error
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_of_one_step(q: float, sigma: float) -> np.ndarray:
+    """RDP of one Sampled Gaussian step at Opacus's default orders. RDP composes by addition,
+    and ``compute_rdp(steps=k)`` is exactly k times this, so a history of any length costs one
+    sum: the exact computation at ~0.3 s per mechanism is paid once per process."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS)
 
 
 def noise_for_target_epsilon(config: PrivacyConfig, q: float, total_iterations: int, ppo_epochs: int) -> float:
     """The noise multiplier that spends ``config.target_epsilon`` over all planned iterations."""
+    from opacus.accountants.utils import get_noise_multiplier
+
     try:
         sigma_eff = get_noise_multiplier(
             target_epsilon=config.target_epsilon, target_delta=config.delta, sample_rate=q,
@@ -100,6 +185,7 @@ def noise_for_target_epsilon(config: PrivacyConfig, q: float, total_iterations: 
     return sigma_eff * math.sqrt(ppo_epochs)
 
 
+# ----------------------------------------------------------------------------- the private update
 def pool_units(params: list[torch.nn.Parameter], rows_per_unit: int) -> None:
     """Turn per-row gradient samples into per-unit ones: the mean over each unit's adjacent rows.
 
@@ -113,19 +199,48 @@ def pool_units(params: list[torch.nn.Parameter], rows_per_unit: int) -> None:
 
 
 @dataclass
-class PrivateTraining:
-    """What ``make_private`` returns: the DP optimizer, the Poisson prompt sampler, and its rate."""
+class PrivateUpdate:
+    """The DP-SGD update of one fit: what ``make_private`` returns.
+
+    ``split`` assigns sampled units to mini-batches; ``step`` takes one mini-batch's DP step
+    (pool per prompt, clip, noise, FedProx's data-independent term, optimizer step);
+    ``noise_only_step`` takes the step of an empty mini-batch; ``close`` detaches Opacus.
+    """
 
     optimizer: DPOptimizer
-    sampler: DataLoader
-    sample_rate: float
+    sampler: DataLoader  # Poisson draws of prompt indices at rate ``mechanism.sample_rate``
+    mechanism: IterationMechanism
+    proximal: Proximal
+    rows_per_unit: int
+    num_mini_batches: int
+    rng: np.random.Generator
     _hooks: object = field(repr=False)
+
+    def split(self, unit_count: int) -> list[np.ndarray]:
+        """Each unit to one of the mini-batches, independently and uniformly (see the module
+        docstring: this is what makes a unit's participation independent of the others)."""
+        assignment = self.rng.integers(self.num_mini_batches, size=unit_count)
+        return [np.flatnonzero(assignment == batch) for batch in range(self.num_mini_batches)]
+
+    def step(self) -> dict[str, float]:
+        """After ``loss.backward()`` on one mini-batch: one DP-SGD step."""
+        pool_units(self.optimizer.params, self.rows_per_unit)
+        self._noisy_step()
+        return {}
 
     def noise_only_step(self) -> None:
         """A step for an empty mini-batch: zero clipped gradients plus noise."""
         for param in self.optimizer.params:
             param.grad_sample = torch.zeros((0, *param.shape), dtype=param.dtype, device=param.device)
-        self.optimizer.step()
+        self._noisy_step()
+
+    def _noisy_step(self) -> None:
+        # Opacus's pre_step clips each unit's gradient, sums, adds noise and divides by the
+        # expected batch size. FedProx's gradient does not depend on data: it is added after
+        # the noise, unclipped and at no privacy cost, then the inner optimizer steps.
+        if self.optimizer.pre_step():
+            self.proximal.add_gradient(self.optimizer.params)
+            self.optimizer.original_optimizer.step()
         self.optimizer.zero_grad()
 
     def close(self) -> None:
@@ -141,24 +256,29 @@ def make_private(
     *,
     batch_size: int,
     num_mini_batches: int,
+    rows_per_unit: int,
+    ppo_epochs: int = 1,
     noise_multiplier: float,
-    after_noise=None,
+    proximal: Proximal | None = None,
     seed: int | None = None,
-) -> PrivateTraining:
-    """Wrap the policy, optimizer and prompt indices for DP-SGD.
+) -> PrivateUpdate:
+    """Wrap the policy, its optimizer and the prompt indices for DP-SGD.
 
-    ``after_noise(optimizer)`` runs after clipping and noise and before the optimizer step:
-    the place for data-independent gradient terms such as FedProx's.
-
-    ``seed`` makes sampling and noise reproducible, for tests and benchmarks only: whoever
-    knows the seed can subtract the noise. Without it both come from the OS's entropy.
+    ``proximal`` is FedProx's term, added after clipping and noise (``Proximal.none()`` when
+    omitted). ``seed`` makes sampling, mini-batch assignment and noise reproducible, for tests
+    and benchmarks only: whoever knows the seed can subtract the noise. Without it all three
+    come from the OS's entropy.
     """
+    from opacus import PrivacyEngine
+    from opacus.data_loader import DPDataLoader
+
     q = sample_rate(batch_size, num_prompts)  # validates q = batch_size / N before any work
     seed = secrets.randbits(63) if seed is None else seed
-    prompt_indices = DataLoader(TensorDataset(torch.arange(num_prompts)), batch_size=batch_size)
+    device = next(policy.parameters()).device
+    prompt_indices = DataLoader(TensorDataset(torch.arange(num_prompts, device="cpu")), batch_size=batch_size)
     hooks, dp_optimizer, _ = PrivacyEngine(accountant=config.accountant).make_private(
         module=policy, optimizer=optimizer, data_loader=prompt_indices,
-        noise_generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed + 1),
+        noise_generator=torch.Generator(device=device).manual_seed(seed + 1),
         noise_multiplier=noise_multiplier, max_grad_norm=config.max_grad_norm,
         poisson_sampling=True, grad_sample_mode=config.grad_sample_mode, wrap_model=False,
         loss_reduction="mean",
@@ -172,11 +292,12 @@ def make_private(
     # Every mini-batch step averages over the expected number of units in it, a constant, so
     # the average reveals nothing.
     dp_optimizer.expected_batch_size = q * num_prompts / num_mini_batches
-    # Replaces Opacus's accounting hook (it would count each epoch as a fresh subsampled step).
-    dp_optimizer.step_hook = after_noise
-    return PrivateTraining(optimizer=dp_optimizer, sampler=sampler, sample_rate=sampler.sample_rate, _hooks=hooks)
-
-
-def split_units(unit_count: int, num_mini_batches: int, generator: np.random.Generator) -> list[np.ndarray]:
-    """A random split of ``unit_count`` sampled units into a fixed number of mini-batches."""
-    return np.array_split(generator.permutation(unit_count), num_mini_batches)
+    # Opacus's accounting hook would count each epoch as a fresh subsampled step; the
+    # caller's PrivacyAccount records IterationMechanism steps instead.
+    dp_optimizer.step_hook = None
+    return PrivateUpdate(
+        optimizer=dp_optimizer, sampler=sampler,
+        mechanism=IterationMechanism(noise_multiplier, sampler.sample_rate, ppo_epochs),
+        proximal=proximal or Proximal.none(), rows_per_unit=rows_per_unit, num_mini_batches=num_mini_batches,
+        rng=np.random.default_rng(seed + 2), _hooks=hooks,
+    )

@@ -11,8 +11,9 @@ each update on the client by ``round(n / max_weight * Q) / Q``, clips it to
   ``clipping_range`` and raise an error with the numbers instead of sending it.
 
 We take ``Q = 2**30`` (Flower rounds through int32, so Q must stay below 2**31) and a modulus
-of 2**40, which keeps the masked sum of up to 1024 clients from wrapping while int64 masks
-cannot overflow. With ``clipping_range = 1`` the rounding step is 1.9e-9.
+of 2**40, while int64 masks cannot overflow. Each client's quantized entry lies in [0, Q], so
+the sum of k clients lies in [0, k * Q] and unmasks without wrapping only while k * Q < 2**40:
+at most ``MAX_CLIENTS`` = 1023 clients per round (1024 could wrap at the range's edge). With ``clipping_range = 1`` the rounding step is 1.9e-9.
 
 That step holds only for float64 updates: ``secaggplus_mod`` weights, shifts and scales the
 update in the dtype it receives, so a float32 update is first rounded to float32's resolution at
@@ -31,7 +32,8 @@ import numpy as np
 from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig
 
 QUANTIZATION_RANGE = 2**30
-MODULUS_RANGE = 2**40  # > 1024 clients * QUANTIZATION_RANGE
+MODULUS_RANGE = 2**40
+MAX_CLIENTS = MODULUS_RANGE // QUANTIZATION_RANGE - 1  # the largest k with k * Q < MODULUS_RANGE
 
 
 class UpdateOutOfRange(FlwrVerlError, ValueError):
@@ -58,6 +60,9 @@ class SecAggParameters:
 
 def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int) -> SecAggParameters:
     """SecAgg+ settings for ``num_clients`` sampled clients per round."""
+    if num_clients > MAX_CLIENTS:
+        raise ConfigError(f"min-fit-clients={num_clients} is invalid under SecAgg+: the modulus 2**40 holds the "
+                          f"sum of at most {MAX_CLIENTS} clients' quantized updates without wrapping around")
     if config.num_shares > num_clients:
         raise ConfigError(f"secagg.num-shares={config.num_shares} is invalid: must be <= the {num_clients} "
                           "clients sampled per round")

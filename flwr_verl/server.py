@@ -3,25 +3,29 @@
 ``run_server`` is what the bundled ServerApp calls. It validates the run config, builds the
 initial global adapter (the same seeded LoRA init every client builds), and runs
 ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` on a ``LegacyContext``, so the
-strategy only ever receives the securely aggregated update.
+strategy only ever receives the securely aggregated update. ``RoundLoop`` supplies the fit and
+evaluate steps of each round: before the first round it evaluates the initial adapter on the
+clients' held-out prompts (round 0); after each aggregated round it writes the checkpoint at
+once, before evaluating, then appends the round's record.
 
-After every round it appends to the run directory::
+The run directory::
 
     <output-dir>/<run-id>/
       config.json                  the validated run config
-      metrics.jsonl                one JSON object per round: fit and evaluate metrics, seconds, bytes
+      metrics.jsonl                one JSON object per round (round 0: the initial adapter's evaluation)
       adapters/round-NNNN/policy/  the global adapter, a PEFT directory (PeftModel.from_pretrained)
-      adapters/round-NNNN/server_state.pt   server optimizer state and privacy ledger, for resume
+      adapters/round-NNNN/server_state.{safetensors,json}   the strategy's state_dict, for resume
       adapters/final/              the last round's adapter
       progress.png                 reward, KL and epsilon per round
 
-With ``resume = true`` it continues the newest run under ``output-dir`` from its last saved
-round: the global adapter (exactly, from the float64 weights saved beside it), the server
-optimizer and the clients' privacy ledger are restored, so no round is repeated or lost and
-epsilon keeps counting. A checkpoint is written to a temporary directory and renamed into place,
-so a server killed mid-save leaves the previous one intact; ``metrics.jsonl`` is reconciled
-with the checkpoint on resume (rounds after it are dropped and run again, the checkpoint's own
-round is restored if the kill came between saving it and appending it).
+With ``resume = true`` it continues the newest run under ``output-dir`` from its newest intact
+checkpoint: the global adapter (exactly, from the float64 weights), the server optimizer, the
+privacy ledger and the exhausted clients are restored (``strategy.load_state_dict``), so no
+round is repeated or lost and epsilon keeps counting. A checkpoint is written to a temporary
+directory, synced to disk and renamed into place, so a server killed mid-save leaves the
+previous one intact; one that fails its hash check is skipped with a warning. ``metrics.jsonl``
+is reconciled with the checkpoint on resume (rounds after it are dropped and run again; the
+checkpoint's own round is restored if the kill came between saving it and appending it).
 
 How a run ends:
 
@@ -46,17 +50,18 @@ from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
-import torch
 from flwr.app import Context
 from flwr.common import log
 from flwr.server import Grid, LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, Key
-from flwr.server.workflow.default_workflows import default_evaluate_workflow
+from flwr.server.workflow.default_workflows import default_evaluate_workflow, default_fit_workflow
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 
-from flwr_verl.config import RunConfig, parse_run_config
-from flwr_verl.models import AdapterSet, build_models, load_adapter_into
+from flwr_verl.checkpoint import MANIFEST, CheckpointError, load_state, save_state
+from flwr_verl.config import FederationConfig, RunConfig, parse_run_config
+from flwr_verl.models import AdapterSet, build_models
+from flwr_verl.protocol import SecAggBounds
 from flwr_verl.secagg import derive_parameters
 from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation, describe_failures
 
@@ -93,7 +98,7 @@ class CheckedSecAggPlusWorkflow(SecAggPlusWorkflow):
     @staticmethod
     def _halted(context: LegacyContext, state: WorkflowState, stage: str) -> str:
         current = int(context.state.config_records[MAIN_CONFIGS_RECORD][Key.CURRENT_ROUND])
-        round_number = current + getattr(context.strategy, "round_offset", 0)
+        round_number = context.strategy.round_number(current)
         sampled = len(state.sampled_node_ids)
         if not sampled:
             return f"round {round_number}: secure aggregation halted at stage '{stage}': too few clients sampled"
@@ -123,40 +128,39 @@ class RunDirectory:
         (run.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
         return run
 
-    def last_checkpoint(self) -> tuple[int, dict] | None:
-        """Load the newest complete checkpoint into ``self.adapters``; return (round, server state)."""
-        rounds = sorted(self.path.glob("adapters/round-*/server_state.pt"))
-        if not rounds:
-            return None
-        state = torch.load(rounds[-1], weights_only=False)
-        for role, model in self.adapters.models.items():
-            load_adapter_into(model, rounds[-1].parent / role)
-        self.reconcile_metrics(state["round"], state.get("record"))
-        return state["round"], state
+    def checkpoints(self) -> list[Path]:
+        """Saved round directories, oldest first."""
+        return sorted(p.parent for p in self.path.glob(f"adapters/round-*/{MANIFEST}"))
 
-    def save(self, server_round: int, strategy: FedProxAdapters, record: dict | None, final: bool) -> str:
-        """Write round ``server_round``'s checkpoint atomically; return the adapter's fingerprint."""
-        arrays = strategy.global_arrays
+    def last_checkpoint(self) -> dict | None:
+        """The newest intact checkpoint's strategy state (a damaged one is skipped, with a warning)."""
+        for directory in reversed(self.checkpoints()):
+            try:
+                state = load_state(directory)
+            except CheckpointError as error:
+                log(WARNING, "resume: skipping a damaged checkpoint: %s", error)
+                continue
+            self.reconcile_metrics(int(state["round"]), state["last_round"] or None)
+            return state
+        return None
+
+    def save(self, state: dict, final: bool) -> str:
+        """Write the checkpoint of ``state`` (a strategy's ``state_dict()``) atomically; return
+        the adapter's fingerprint."""
+        arrays = [w.numpy().astype(np.float32) for w in state["weights"]]
         self.adapters.set_arrays(arrays)
         adapters = self.path / "adapters"
-        target = adapters / f"round-{server_round:04d}"
-        self._atomic(target, lambda tmp: (
-            self.adapters.save(tmp),
-            torch.save({"round": server_round, "optimizer": strategy.optimizer.state_dict(),
-                        "privacy_ledger": strategy.privacy_ledger, "record": record,
-                        "weights": [w.detach().numpy().copy() for w in strategy.weights],
-                        "fingerprint": fingerprint(arrays)}, tmp / "server_state.pt"),
-        ))
+        target = adapters / f"round-{int(state['round']):04d}"
+        self._atomic(target, lambda tmp: (self.adapters.save(tmp), save_state(tmp, state)))
         if final:
             self._atomic(adapters / "final", lambda tmp: shutil.copytree(target, tmp, dirs_exist_ok=True))
         return fingerprint(arrays)
 
     def finalize(self) -> None:
         """``adapters/final`` := the newest checkpoint (when a run stops before its last round)."""
-        rounds = sorted(self.path.glob("adapters/round-*/server_state.pt"))
-        if rounds:
+        if checkpoints := self.checkpoints():
             self._atomic(self.path / "adapters" / "final",
-                         lambda tmp: shutil.copytree(rounds[-1].parent, tmp, dirs_exist_ok=True))
+                         lambda tmp: shutil.copytree(checkpoints[-1], tmp, dirs_exist_ok=True))
 
     @staticmethod
     def _atomic(target: Path, write) -> None:
@@ -174,17 +178,19 @@ class RunDirectory:
     def append_metrics(self, record: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def records(self) -> list[dict]:
         path = self.path / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
     def reconcile_metrics(self, done: int, record: dict | None) -> None:
-        """Make ``metrics.jsonl`` hold exactly rounds 1..done once each, as the checkpoint saw them."""
+        """Make ``metrics.jsonl`` hold exactly rounds 0..done once each, as the checkpoint saw them."""
         before = self.records()
         kept = {r["round"]: r for r in before if r.get("round", 0) <= done}
         if record is not None:
-            kept[done] = record
+            kept[done] = {**kept.get(done, {}), **record}
         if [kept[r] for r in sorted(kept)] != before:
             log(INFO, "resume: metrics.jsonl reconciled with the round-%s checkpoint (%s records kept, %s before)",
                 done, len(kept), len(before))
@@ -201,20 +207,76 @@ class RunDirectory:
         records = self.records()
         if not records:
             return
-        rounds = [r["round"] for r in records]
         panels = [("reward", [("reward_after", "fit"), ("reward", "evaluate")]), ("kl", [("kl", "fit")]),
                   ("epsilon", [("epsilon_total", "fit")])]
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
         for axis, (title, series) in zip(axes, panels):
             for key, part in series:
-                values = [r.get(part, {}).get(key, np.nan) for r in records]
-                axis.plot(rounds, values, marker="o", label=f"{part} {key}")
+                points = [(r["round"], r[part][key]) for r in records if key in r.get(part, {})]
+                axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=f"{part} {key}")
             axis.set_title(title)
             axis.set_xlabel("round")
             axis.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(self.path / "progress.png", dpi=90)
         plt.close(fig)
+
+
+class RoundLoop:
+    """The fit and evaluate steps that ``DefaultWorkflow`` runs each round.
+
+    ``fit``: before the first round of a fresh run, evaluate the initial adapter (round 0);
+    then run the fit workflow (plain or SecAgg+) and checkpoint the aggregate at once.
+    ``evaluate``: evaluate the new global adapter, then append the round's record.
+    """
+
+    def __init__(self, strategy: FedProxAdapters, run: RunDirectory, federation: FederationConfig,
+                 fit_workflow) -> None:
+        self.strategy, self.run, self.federation, self.fit_workflow = strategy, run, federation, fit_workflow
+        self.saved_round = strategy.completed_round
+
+    def fit(self, grid: Grid, legacy: LegacyContext) -> None:
+        current = _current_round(legacy)
+        if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
+            self.run.append_metrics({"round": 0, "evaluate": self._evaluate(grid, legacy, 0)})
+        self.fit_workflow(grid, legacy)
+        state = self.strategy.state_dict()
+        round_number = self.strategy.round_number(current)
+        if state["round"] != round_number:
+            raise RoundFailed(f"round {round_number}: no update was aggregated "
+                              "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
+        last = round_number == self.federation.num_server_rounds
+        if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
+            self.save(state, final=last)
+
+    def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
+        record = dict(self.strategy.state_dict()["last_round"])
+        if evaluation := self._evaluate(grid, legacy, _current_round(legacy)):
+            record["evaluate"] = evaluation
+        self.run.append_metrics(record)
+        self.run.plot()
+
+    def save(self, state: dict, final: bool) -> None:
+        saved = self.run.save(state, final=final)
+        self.saved_round = int(state["round"])
+        log(INFO, "round %s: adapter %s saved", self.saved_round, saved)
+
+    @staticmethod
+    def _evaluate(grid: Grid, legacy: LegacyContext, server_round: int) -> dict:
+        """Flower's evaluate workflow for ``server_round``; its aggregated metrics, from Flower's history."""
+        configs = legacy.state.config_records[MAIN_CONFIGS_RECORD]
+        current = configs[Key.CURRENT_ROUND]
+        configs[Key.CURRENT_ROUND] = server_round
+        try:
+            default_evaluate_workflow(grid, legacy)
+        finally:
+            configs[Key.CURRENT_ROUND] = current
+        return {key: value for key, values in legacy.history.metrics_distributed.items()
+                for at, value in values if at == server_round}
+
+
+def _current_round(legacy: LegacyContext) -> int:
+    return int(legacy.state.config_records[MAIN_CONFIGS_RECORD][Key.CURRENT_ROUND])
 
 
 def run_server(grid: Grid, context: Context) -> Path:
@@ -229,57 +291,35 @@ def run_server(grid: Grid, context: Context) -> Path:
               if federation.secagg.enabled else None)
     adapters = build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters
     run = RunDirectory.create(federation.output_dir, adapters, config)
-    done, state = 0, {}
-    if federation.resume and (checkpoint := run.last_checkpoint()):
-        done, state = checkpoint
-    initial = [np.asarray(w) for w in state["weights"]] if "weights" in state else adapters.get_arrays()
-    log(INFO, "flwr-verl: run directory %s", run.path)
-
     strategy = FedProxAdapters(
-        federation, initial, local_iterations=engine.trainer.local_iterations,
-        secure_aggregation=({"secagg_clipping_range": secagg.clipping_range, "secagg_max_weight": secagg.max_weight}
-                            if secagg else None),
-        round_offset=done, privacy_ledger=state.get("privacy_ledger"),
-        server_optimizer_state=state.get("optimizer"),
+        federation, adapters.get_arrays(), local_iterations=engine.trainer.local_iterations,
+        secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight) if secagg else None,
     )
-    if done:
-        log(INFO, "resume: %s continues after round %s from adapter %s", run.path, done,
+    if federation.resume and (state := run.last_checkpoint()):
+        strategy.load_state_dict(state)
+        log(INFO, "resume: %s continues after round %s from adapter %s", run.path, strategy.completed_round,
             fingerprint(strategy.global_arrays))
-
-    def record(server_round: int, record: dict) -> None:
-        last = server_round == federation.num_server_rounds
-        if last or server_round % federation.save_every == 0:  # checkpoint first: resume trusts it
-            saved = run.save(server_round, strategy, record, final=last)
-            log(INFO, "round %s: adapter %s saved", server_round, saved)
-        run.append_metrics(record)
-        run.plot()
-
-    strategy.on_round_end = record
+    log(INFO, "flwr-verl: run directory %s", run.path)
+    done = strategy.completed_round
     remaining = federation.num_server_rounds - done
     if remaining <= 0:
         log(INFO, "resume: all %s rounds are done already", federation.num_server_rounds)
         return run.path
 
-    def evaluate_then_record(grid: Grid, legacy: LegacyContext) -> None:
-        current = int(legacy.state.config_records[MAIN_CONFIGS_RECORD][Key.CURRENT_ROUND])
-        if strategy.round_record.get("round") == current + done:  # evaluate only an aggregated round
-            default_evaluate_workflow(grid, legacy)
-        strategy.finish_round(current)
-
     legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=remaining), strategy=strategy)
-    fit_workflow = CheckedSecAggPlusWorkflow(**secagg.workflow_kwargs()) if secagg else None
+    rounds = RoundLoop(strategy, run, federation,
+                       CheckedSecAggPlusWorkflow(**secagg.workflow_kwargs()) if secagg else default_fit_workflow)
     try:
-        DefaultWorkflow(fit_workflow=fit_workflow, evaluate_workflow=evaluate_then_record)(grid, legacy)
+        DefaultWorkflow(fit_workflow=rounds.fit, evaluate_workflow=rounds.evaluate)(grid, legacy)
     except StopFederation as stop:
         log(INFO, "flwr-verl: %s", stop)
-        if strategy.last_completed_round > done and strategy.last_completed_round % federation.save_every:
-            run.save(strategy.last_completed_round, strategy, strategy.round_record, final=False)
+        if strategy.completed_round > rounds.saved_round:
+            rounds.save(strategy.state_dict(), final=False)
         run.finalize()
     except RoundFailed:
-        kept = sorted(run.path.glob("adapters/round-*/server_state.pt"))
-        last = kept[-1].parent if kept else None
-        where = (f"the run directory keeps the adapter of round {int(last.name.removeprefix('round-'))} ({last}); "
-                 "resume=true continues from it" if last else "no round was completed")
+        kept = run.checkpoints()
+        where = (f"the run directory keeps the adapter of round {int(kept[-1].name.removeprefix('round-'))} "
+                 f"({kept[-1]}); resume=true continues from it" if kept else "no round was completed")
         log(WARNING, "flwr-verl: the global adapter was not changed by the failed round; %s", where)
         raise
     log(INFO, "flwr-verl: finished; outputs in %s", run.path)

@@ -2,14 +2,19 @@
 
 What the server does each round:
 
-1. ``configure_fit``: sample clients and send them the global adapter, ``proximal_mu``, the
-   round number, the local iteration count and the SecAgg+ bounds; each client adds
-   mu/2 * ||theta - theta_global||^2 to its objective (mu = 0 is FedAvg).
+1. ``configure_fit``: sample clients and send each the global adapter and a
+   ``protocol.FitConfig``: ``proximal_mu``, the round number, the local iteration count, the
+   SecAgg+ bounds, and the server's copy of that client's own privacy account (no other
+   client's). Each client adds mu/2 * ||theta - theta_global||^2 to its objective (mu = 0 is
+   FedAvg) and answers with its update and a ``protocol.FitReport``.
 2. ``aggregate_fit``: form the num_examples-weighted mean of the client *updates* (under
    SecAgg+ that mean arrives already aggregated, identical in every ``FitRes``: the server never
    sees one client's update), treat it as a pseudo-gradient and take one server-optimizer step:
-   ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM, ``adam`` is FedAdam.
-3. Aggregate the clients' metrics: num_examples-weighted means, and the maximum epsilon.
+   ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM (Hsu et al. 2019), ``adam`` is
+   FedAdam (Reddi et al. 2021), each with its own default learning rate.
+3. Aggregate the clients' reports: num_examples-weighted means of the training metrics; for
+   epsilon the maximum over the whole privacy ledger (every client ever seen), so the
+   federation's epsilon never decreases.
 4. ``configure_evaluate``/``aggregate_evaluate``: greedy reward on the clients' held-out prompts.
 
 Faults, and what the strategy does about them:
@@ -23,21 +28,27 @@ Faults, and what the strategy does about them:
 - A result with NaN or infinity (or, under SecAgg+, a non-finite aggregate) is rejected, never
   applied to the global adapter.
 - A client that refused a round for its privacy budget, or that reports that one more round
-  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again. When fewer than
+  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again (its client id is
+  remembered in ``state_dict()``, so a resumed run does not sample it either). When fewer than
   ``min-fit-clients`` clients can still train, ``configure_fit`` raises ``StopFederation`` and
   the server ends the run normally after the last completed round.
+
+State that outlives a round (global weights, server optimizer, privacy ledger, exhausted
+clients, the last round's record) is ``state_dict()`` / ``load_state_dict()``, which the server
+checkpoints (``checkpoint.py``) after every aggregated round.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import time
-from collections.abc import Callable
 from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import Error
 from flwr.common import (
     EvaluateIns,
     EvaluateRes,
@@ -50,21 +61,26 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from flwr.app import Error
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
-from flwr_verl.config import FederationConfig, FlwrVerlError
+from flwr_verl.config import ConfigError, FederationConfig, FlwrVerlError
+from flwr_verl.protocol import (
+    STATUS_BUDGET,
+    EvaluateReport,
+    FitConfig,
+    FitReport,
+    PrivacyReport,
+    ProtocolError,
+    SecAggBounds,
+    TrainingSummary,
+)
+from flwr_verl.secagg import MAX_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
-MAX_METRICS = ("epsilon_total", "epsilon_round")  # the federation is as private as its least private client
-SUM_METRICS = ("bytes_received", "bytes_sent")
-
-
-STATUS_BUDGET = "privacy_budget_exhausted"  # what flwr_verl.client reports when it refuses a round
 MAX_REASON = 400  # characters of one client's failure reason kept in logs and errors
 
 
@@ -111,61 +127,105 @@ class _Not(Criterion):
         return client.cid not in self.excluded
 
 
-def aggregate_metrics(metrics: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:
-    """Weighted means of numeric metrics (weights: num_examples); max for epsilon; sums for bytes."""
-    keys = {k for _, m in metrics for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    out: dict[str, Scalar] = {}
-    for key in sorted(keys - {"partition_id"}):
-        pairs = [(n, float(m[key])) for n, m in metrics if key in m and math.isfinite(float(m[key]))]
-        if not pairs:
-            continue
-        if key in MAX_METRICS:
-            out[key] = max(v for _, v in pairs)
-        elif key in SUM_METRICS:
-            out[key] = sum(v for _, v in pairs)
-        else:
-            total = sum(n for n, _ in pairs)
-            out[key] = sum(n * v for n, v in pairs) / total if total else float(np.mean([v for _, v in pairs]))
+def weighted_mean(pairs: list[tuple[int, float]]) -> float:
+    """num_examples-weighted mean of the finite values (plain mean if every weight is 0)."""
+    pairs = [(n, v) for n, v in pairs if math.isfinite(v)]
+    if not pairs:
+        return math.nan
+    total = sum(n for n, _ in pairs)
+    return sum(n * v for n, v in pairs) / total if total else float(np.mean([v for _, v in pairs]))
+
+
+def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, PrivacyReport]) -> dict[str, float]:
+    """A round's fit metrics: weighted means of the training summaries, byte sums, and epsilon.
+
+    ``epsilon_total`` is the maximum over the whole ``ledger`` (every client seen so far, not
+    only this round's): the federation is as private as its least private client, and that
+    figure never decreases. ``epsilon_round`` and ``epsilon_next`` are maxima over this round's
+    reports. An infinite epsilon (a fit run without noise) is reported as infinity, never dropped.
+    """
+    out: dict[str, float] = {
+        "bytes_received": float(sum(r.bytes_received for _, r in reports)),
+        "bytes_sent": float(sum(r.bytes_sent for _, r in reports)),
+    }
+    trained = [(n, r.training) for n, r in reports if r.training is not None]
+    for name in (f.name for f in dataclasses.fields(TrainingSummary)) if trained else ():
+        out[name] = weighted_mean([(n, getattr(t, name)) for n, t in trained])
+    private = [r.privacy for _, r in reports if r.privacy is not None]
+    if private:
+        out["epsilon_round"] = max(p.epsilon_round for p in private)
+        out["epsilon_next"] = max(p.epsilon_next for p in private)
+    if ledger:
+        out["epsilon_total"] = max(p.epsilon_total for p in ledger.values())
     return out
 
 
 class FedProxAdapters(Strategy):
-    """FedProx over adapter updates, with an optional server optimizer; SecAgg+-compatible."""
+    """FedProx over adapter updates, with an optional server optimizer; SecAgg+-compatible.
+
+    Args:
+        config: the federation's config: sampling fractions and minimums, ``proximal-mu``, the
+            server optimizer and its learning rate, evaluation cadence.
+        initial_arrays: the initial global adapter (the same seeded LoRA init every client builds).
+        local_iterations: RL iterations each client runs per round.
+        secure_aggregation: the SecAgg+ bounds clients check their update against; None when
+            updates travel in the clear.
+    """
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
-                 secure_aggregation: dict[str, Scalar] | None = None, round_offset: int = 0,
-                 privacy_ledger: dict[str, list] | None = None, server_optimizer_state: dict | None = None,
-                 on_round_end: Callable[[int, dict], None] | None = None) -> None:
+                 secure_aggregation: SecAggBounds | None = None) -> None:
         super().__init__()
         self.config = config
         self.local_iterations = local_iterations
-        self.secure_aggregation = secure_aggregation  # SecAgg+ bounds sent to clients, None when off
-        self.round_offset = round_offset  # rounds already done before a resume
-        self.privacy_ledger = dict(privacy_ledger or {})
-        self.on_round_end = on_round_end
-        self.weights = [torch.tensor(a, dtype=torch.float64) for a in initial_arrays]
-        self.optimizer = self._make_server_optimizer()
-        if server_optimizer_state:
-            self.optimizer.load_state_dict(server_optimizer_state)
-        self.round_record: dict = {}
-        self.last_completed_round = round_offset  # the round the global adapter comes from
-        self.exhausted: dict[str, str] = {}  # client cid -> why it is no longer sampled (privacy budget)
+        self.secure_aggregation = secure_aggregation
+        self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
+                        for a in initial_arrays]
+        lr, kind = config.effective_server_learning_rate, config.server_optimizer
+        self.optimizer = (torch.optim.Adam(self.weights, lr=lr, betas=(0.9, 0.99), eps=1e-9) if kind == "adam" else
+                          torch.optim.SGD(self.weights, lr=lr,
+                                          momentum=config.server_momentum if kind == "momentum" else 0.0))
+        self.completed_round = 0  # the round the global adapter comes from, counted across resumes
+        self.round_offset = 0  # rounds done before this run started (Flower counts from 1 again)
+        self.privacy_ledger: dict[str, PrivacyReport] = {}  # client id -> its latest privacy report
+        self.client_ids: dict[str, str] = {}  # Flower node (cid) -> the client id it reported
+        self.exhausted: dict[str, str] = {}  # client id -> why it is no longer sampled (privacy budget)
+        self.last_round: dict[str, Any] = {}  # the record of the newest aggregated round
         self._round_start = time.perf_counter()
 
     def __repr__(self) -> str:
         return f"FedProxAdapters(mu={self.config.proximal_mu}, server_optimizer={self.config.server_optimizer})"
 
-    def _make_server_optimizer(self) -> torch.optim.Optimizer:
-        for w in self.weights:
-            w.requires_grad_(True)
-        lr, kind = self.config.server_learning_rate, self.config.server_optimizer
-        if kind == "adam":
-            return torch.optim.Adam(self.weights, lr=lr, betas=(0.9, 0.99), eps=1e-9)
-        return torch.optim.SGD(self.weights, lr=lr, momentum=self.config.server_momentum if kind == "momentum" else 0)
-
     @property
     def global_arrays(self) -> NDArrays:
         return [w.detach().numpy().astype(np.float32) for w in self.weights]
+
+    def round_number(self, server_round: int) -> int:
+        """Flower's round number of this run as a round of the whole (resumed) federation."""
+        return server_round + self.round_offset
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit-identically: tensors and JSON values."""
+        return {
+            "round": self.completed_round,
+            "weights": [w.detach().clone() for w in self.weights],
+            "optimizer": self.optimizer.state_dict(),
+            "privacy_ledger": {cid: report.to_json_dict() for cid, report in self.privacy_ledger.items()},
+            "client_ids": dict(self.client_ids),
+            "exhausted": dict(self.exhausted),
+            "last_round": self.last_round,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for weight, saved in zip(self.weights, state["weights"], strict=True):
+                weight.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.completed_round = self.round_offset = int(state["round"])
+        self.privacy_ledger = {cid: PrivacyReport.from_json_dict(r) for cid, r in state["privacy_ledger"].items()}
+        self.client_ids = dict(state["client_ids"])
+        self.exhausted = dict(state["exhausted"])
+        self.last_round = state["last_round"]
 
     # ------------------------------------------------------------------ fit
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
@@ -174,50 +234,58 @@ class FedProxAdapters(Strategy):
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         self._round_start = time.perf_counter()
-        config: dict[str, Scalar] = {
-            "server_round": server_round + self.round_offset,
-            "proximal_mu": self.config.proximal_mu,
-            "local_iterations": self.local_iterations,
-            "planned_iterations": self.local_iterations * (self.config.num_server_rounds),
-            "privacy_ledger": json.dumps(self.privacy_ledger),
-            "fail_partition": self.config.inject_failure_partition,
-        }
-        if self.secure_aggregation:
-            config.update(self.secure_aggregation)
+        excluded = {cid for cid, client_id in self.client_ids.items() if client_id in self.exhausted}
         num_available = client_manager.num_available()
-        eligible = num_available - len(self.exhausted.keys() & set(client_manager.all()))
+        eligible = num_available - len(excluded & set(client_manager.all()))
         if self.exhausted and eligible < self.config.min_fit_clients:
             raise StopFederation(
                 f"only {eligible} of {num_available} clients can train another round within their privacy "
                 f"budget (min-fit-clients={self.config.min_fit_clients}); stopping after round "
-                f"{self.last_completed_round}. Exhausted: {sorted(self.exhausted.values())}")
+                f"{self.completed_round}. Exhausted: {sorted(self.exhausted.values())}")
         sample_size = max(int(eligible * self.config.fraction_fit), self.config.min_fit_clients)  # <= eligible
         clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients,
-                                        criterion=_Not(set(self.exhausted)) if self.exhausted else None)
-        return [(client, FitIns(parameters, config)) for client in clients]
+                                        criterion=_Not(excluded) if excluded else None)
+        if self.secure_aggregation and len(clients) > MAX_CLIENTS:
+            raise ConfigError(f"fraction-fit={self.config.fraction_fit} samples {len(clients)} clients; SecAgg+'s "
+                              f"modulus holds the sum of at most {MAX_CLIENTS} without wrapping around")
+        return [(client, FitIns(parameters, self._fit_config(server_round, client).to_config()))
+                for client in clients]
+
+    def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
+        own = self.privacy_ledger.get(self.client_ids.get(client.cid, ""))
+        return FitConfig(
+            server_round=self.round_number(server_round), local_iterations=self.local_iterations,
+            planned_iterations=self.local_iterations * self.config.num_server_rounds,
+            proximal_mu=self.config.proximal_mu, privacy_account=own.account if own else None,
+            secagg=self.secure_aggregation, fail_partition=self.config.inject_failure_partition,
+        )
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
-        round_number = server_round + self.round_offset
+        round_number = self.round_number(server_round)
         messages = describe_failures(failures)
-        for _, res in results:
-            if "privacy_history" in res.metrics:
-                owner = str(res.metrics.get("client_id", res.metrics.get("partition_id")))
-                self.privacy_ledger[owner] = json.loads(str(res.metrics["privacy_history"]))
-        self._note_budgets(results)
-        refused = [(p, r) for p, r in results if r.metrics.get("status") == STATUS_BUDGET]
-        contributing = [(p, r) for p, r in results if r.num_examples > 0 and r.metrics.get("status") != STATUS_BUDGET]
+        reports: list[tuple[ClientProxy, FitRes, FitReport]] = []
+        for proxy, res in results:
+            try:
+                reports.append((proxy, res, FitReport.from_metrics(res.metrics)))
+            except ProtocolError as error:
+                messages.append(f"client {proxy.cid}: unreadable report: {error}")
+        for proxy, _, report in reports:
+            self._note(proxy, report)
+        refused = [r for _, _, r in reports if r.status == STATUS_BUDGET]
+        contributing = [(p, res, r) for p, res, r in reports if res.num_examples > 0 and r.status != STATUS_BUDGET]
         if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
-            finite = [all(np.isfinite(a).all() for a in parameters_to_ndarrays(r.parameters)) for _, r in contributing]
-            messages += [f"client {p.cid} (partition {r.metrics.get('partition_id', '?')}): non-finite update "
-                         "rejected" for (p, r), ok in zip(contributing, finite) if not ok]
-            contributing = [pair for pair, ok in zip(contributing, finite) if ok]
+            finite = [all(np.isfinite(a).all() for a in parameters_to_ndarrays(res.parameters))
+                      for _, res, _ in contributing]
+            messages += [f"client {p.cid} (partition {r.partition_id}): non-finite update rejected"
+                         for (p, _, r), ok in zip(contributing, finite) if not ok]
+            contributing = [c for c, ok in zip(contributing, finite) if ok]
         for message in messages:
             log(WARNING, "round %s: client failure: %s", round_number, message)
         if not contributing:
             if refused and len(refused) == len(results) and not messages:
                 raise StopFederation(f"round {round_number}: every sampled client refused to train: its privacy "
-                                     f"budget is spent; stopping after round {self.last_completed_round}")
+                                     f"budget is spent; stopping after round {self.completed_round}")
             raise RoundFailed(f"round {round_number}: no client update to aggregate; "
                               f"{len(refused)} refused for their privacy budget, {len(messages)} failed: "
                               + ("; ".join(messages) or "no failure reported"))
@@ -228,36 +296,45 @@ class FedProxAdapters(Strategy):
                 raise RoundFailed(f"round {round_number}: the securely aggregated update is not finite; "
                                   "the global adapter is left unchanged")
         else:
-            mean_update = aggregate([(parameters_to_ndarrays(r.parameters), r.num_examples) for _, r in contributing])
+            mean_update = aggregate([(parameters_to_ndarrays(res.parameters), res.num_examples)
+                                     for _, res, _ in contributing])
         self._server_step(mean_update)
 
-        metrics = aggregate_metrics([(r.num_examples, r.metrics) for _, r in contributing])
+        metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_ledger)
         metrics.update(num_clients=len(contributing), num_failures=len(messages), num_refused=len(refused))
-        self.round_record = {"round": round_number, "fit": metrics, "failures": messages,
-                             "clients": sorted(int(r.metrics.get("partition_id", -1)) for _, r in contributing),
-                             "update_max_abs": float(max(np.abs(u).max() for u in mean_update))}
+        self.completed_round = round_number
+        self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
+                           "clients": sorted(r.partition_id for _, _, r in contributing),
+                           "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
+                           "seconds": time.perf_counter() - self._round_start}
+        epsilon = metrics.get("epsilon_total")
         log(INFO, "round %s: reward %.3f -> %.3f, kl %.4f, epsilon %s, %s clients, %s failed, %s refused",
             round_number, metrics.get("reward_before", math.nan), metrics.get("reward_after", math.nan),
-            metrics.get("kl", math.nan), f"{metrics['epsilon_total']:.2f}" if "epsilon_total" in metrics else "off",
+            metrics.get("kl", math.nan), "off" if epsilon is None else f"{epsilon:.2f}",
             len(contributing), len(messages), len(refused))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
-    def _note_budgets(self, results: list[tuple[ClientProxy, FitRes]]) -> None:
-        """Stop sampling clients that refused, or that one more round would take past their budget."""
-        for proxy, res in results:
-            m = res.metrics
-            budget, after_next = float(m.get("epsilon_budget", 0.0) or 0.0), float(m.get("epsilon_next", 0.0) or 0.0)
-            if m.get("status") == STATUS_BUDGET or (budget and after_next > budget):
-                why = (f"partition {m.get('partition_id', '?')}: epsilon {float(m.get('epsilon_total', 0.0)):.3g} "
-                       f"spent, {after_next:.3g} after one more round > budget {budget:g}")
-                if proxy.cid not in self.exhausted:
-                    log(INFO, "privacy budget: %s; not sampled again", why)
-                self.exhausted[proxy.cid] = why
+    def _note(self, proxy: ClientProxy, report: FitReport) -> None:
+        """Keep the client's privacy report, and stop sampling a client that refused, or that one
+        more round would take past its budget."""
+        self.client_ids[proxy.cid] = report.client_id
+        privacy = report.privacy
+        if privacy is None:
+            return
+        self.privacy_ledger[report.client_id] = privacy
+        budget = privacy.epsilon_budget
+        if report.status == STATUS_BUDGET or (budget and privacy.epsilon_next > budget):
+            why = (f"client {report.client_id} (partition {report.partition_id}): epsilon "
+                   f"{privacy.epsilon_total:.3g} spent, {privacy.epsilon_next:.3g} after one more round > budget "
+                   f"{budget:g}")
+            if report.client_id not in self.exhausted:
+                log(INFO, "privacy budget: %s; not sampled again", why)
+            self.exhausted[report.client_id] = why
 
     def _server_step(self, mean_update: NDArrays) -> None:
         """The mean update is a descent direction: its negative is the pseudo-gradient."""
         for weight, update in zip(self.weights, mean_update, strict=True):
-            weight.grad = -torch.as_tensor(np.asarray(update), dtype=torch.float64)
+            weight.grad = -torch.as_tensor(np.asarray(update), dtype=torch.float64, device="cpu")
         self.optimizer.step()
         self.optimizer.zero_grad()
 
@@ -270,35 +347,24 @@ class FedProxAdapters(Strategy):
         num_available = client_manager.num_available()
         sample_size = max(int(num_available * self.config.fraction_evaluate), self.config.min_evaluate_clients)
         clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients)
-        return [(client, EvaluateIns(parameters, {"server_round": server_round + self.round_offset}))
+        return [(client, EvaluateIns(parameters, {"server_round": self.round_number(server_round)}))
                 for client in clients]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:
+        round_number = self.round_number(server_round)
         for failure in failures:
-            log(WARNING, "round %s: evaluation failure: %s", server_round + self.round_offset,
-                describe_failure(failure))
+            log(WARNING, "round %s: evaluation failure: %s", round_number, describe_failure(failure))
         results = [(p, r) for p, r in results if r.num_examples > 0]
         if not results:
             return None, {}
         loss = sum(r.num_examples * r.loss for _, r in results) / sum(r.num_examples for _, r in results)
-        metrics = aggregate_metrics([(r.num_examples, r.metrics) for _, r in results])
-        self.round_record["evaluate"] = metrics
-        log(INFO, "round %s: held-out greedy reward %.3f", server_round + self.round_offset,
-            metrics.get("reward", math.nan))
+        reports = [(r.num_examples, EvaluateReport.from_metrics(r.metrics)) for _, r in results]
+        metrics = {name: weighted_mean([(n, getattr(report, name)) for n, report in reports])
+                   for name in (f.name for f in dataclasses.fields(EvaluateReport))}
+        log(INFO, "round %s: held-out greedy reward %.3f, accuracy %.3f", round_number, metrics["reward"],
+            metrics["accuracy"])
         return loss, metrics
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:
         return None  # no central data: the server holds none of the clients' prompts
-
-    # ------------------------------------------------------------------ bookkeeping
-    def finish_round(self, server_round: int) -> None:
-        """Called by the server workflow once a round (fit and evaluate) is over."""
-        record = self.round_record
-        if record.get("round") != server_round + self.round_offset:
-            raise RoundFailed(f"round {server_round + self.round_offset}: no update was aggregated "
-                              "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
-        record["seconds"] = time.perf_counter() - self._round_start
-        self.last_completed_round = record["round"]
-        if self.on_round_end:
-            self.on_round_end(record["round"], record)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,18 +39,58 @@ from flwr_verl._verl import (
 from flwr_verl.config import EngineConfig
 from flwr_verl.data import Row
 from flwr_verl.models import Models, build_models
-from flwr_verl.privacy import (
-    History,
-    PrivateTraining,
-    make_private,
-    pool_units,
-    record_iterations,
-    sample_rate,
-    split_units,
-)
-from flwr_verl.proximal import add_proximal_gradient, proximal_term
+from flwr_verl.privacy import IterationMechanism, PrivateUpdate, make_private, sample_rate
+from flwr_verl.protocol import EvaluateReport
+from flwr_verl.proximal import Proximal
 from flwr_verl.rewards import make_reward_manager, resolve_compute_score
 from flwr_verl.rollout import generate
+
+
+@dataclass
+class PlainUpdate:
+    """The non-private update of one fit: clip the mini-batch gradient to ``actor.grad_clip``,
+    add FedProx's gradient, AdamW step. The private counterpart is ``privacy.PrivateUpdate``."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    proximal: Proximal
+    grad_clip: float
+    num_mini_batches: int
+    rng: np.random.Generator
+    mechanism = None  # no privacy mechanism: nothing to account
+
+    def split(self, unit_count: int) -> list[np.ndarray]:
+        """A random split of the units into equal mini-batches."""
+        return np.array_split(self.rng.permutation(unit_count), self.num_mini_batches)
+
+    def step(self) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.proximal.add_gradient(self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return {"grad_norm": grad_norm.item()}
+
+    def noise_only_step(self) -> None:
+        """An empty mini-batch releases nothing without DP: no step."""
+
+    def close(self) -> None:
+        """Nothing is attached to the model."""
+
+
+@dataclass
+class LocalFit:
+    """One fit as a value: its update (private or plain, chosen once when the fit starts), the
+    stream of prompt batches, and the critic's optimizer (gae only). ``LocalPPOTrainer.start_fit``
+    makes one; ``LocalPPOTrainer.iteration`` takes it."""
+
+    update: PlainUpdate | PrivateUpdate
+    batches: Iterator[list[int]]
+    critic_optimizer: torch.optim.Optimizer | None
+
+    @property
+    def mechanism(self) -> IterationMechanism | None:
+        """What one iteration of this fit spends (None without privacy)."""
+        return self.update.mechanism
 
 
 @dataclass
@@ -57,8 +98,11 @@ class FitResult:
     """What one call to ``LocalPPOTrainer.fit`` did."""
 
     metrics: list[dict[str, float]]  # one dict per iteration
-    privacy_history: History = field(default_factory=list)  # accountant history after this fit
-    noise_multiplier: float = 0.0
+    mechanism: IterationMechanism | None  # what each iteration spent; None without privacy
+
+    @property
+    def iterations(self) -> int:
+        return len(self.metrics)
 
 
 class LocalPPOTrainer:
@@ -95,68 +139,75 @@ class LocalPPOTrainer:
         self.num_mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
 
     # ------------------------------------------------------------------ public API
-    def fit(self, iterations: int, *, anchor: list[torch.Tensor] | None = None, proximal_mu: float = 0.0,
-            privacy_history: History | None = None, noise_multiplier: float | None = None,
-            seed: int = 0) -> FitResult:
-        """Run ``iterations`` RL iterations. ``anchor`` (the global policy adapter) and
-        ``proximal_mu`` add FedProx's term; ``privacy_history`` is the accountant history so far."""
+    def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
+            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0) -> FitResult:
+        """Run ``iterations`` RL iterations (arguments as in ``start_fit``)."""
+        with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
+                            seed=seed) as fit:
+            metrics = [self.iteration(fit) for _ in range(iterations)]
+        return FitResult(metrics=metrics, mechanism=fit.mechanism)
+
+    @contextmanager
+    def start_fit(self, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None, proximal_mu: float = 0.0,
+                  noise_multiplier: float | None = None, seed: int = 0) -> Iterator[LocalFit]:
+        """Set up one fit: a fresh optimizer, FedProx's term anchored at ``anchor`` (the global
+        policy adapter as received; default: the current weights), and the private or plain
+        update. Under privacy ``noise_multiplier`` overrides ``privacy.noise_multiplier``.
+        Opacus is detached from the model when the block ends."""
         cfg = self.config
         sample_rate(cfg.data.train_batch_size, len(self.train_rows))  # batch must fit the prompts
-        generator = torch.Generator().manual_seed(seed)
-        self.rng = np.random.default_rng(seed)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # rollout sampling
         params = self.policy_params
-        anchor = [a.detach().clone() for a in anchor] if anchor is not None else [p.detach().clone() for p in params]
-        self._proximal = (params, anchor, proximal_mu)
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        self.critic_optimizer = (
+        proximal = Proximal.at(params, params if anchor is None else anchor, proximal_mu)
+        optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        update: PlainUpdate | PrivateUpdate
+        if cfg.privacy.enabled:
+            self.policy.train()  # Opacus validates the module in training mode
+            update = make_private(
+                self.policy, optimizer, len(self.train_rows), cfg.privacy,
+                batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
+                rows_per_unit=cfg.rollout.n, ppo_epochs=cfg.actor.ppo_epochs,
+                noise_multiplier=cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier,
+                proximal=proximal, seed=seed if cfg.privacy.deterministic else None,
+            )
+            batches = _forever(update.sampler)
+        else:
+            update = PlainUpdate(optimizer, params, proximal, cfg.actor.grad_clip, self.num_mini_batches,
+                                 np.random.default_rng(seed))
+            loader = torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.arange(len(self.train_rows), device="cpu")),
+                batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
+                generator=torch.Generator().manual_seed(seed))
+            batches = _forever(loader)
+        critic_optimizer = (
             torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic.lr)
             if self.critic is not None else None
         )
-        self.private: PrivateTraining | None = None
-        sigma = cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier
-        if cfg.privacy.enabled:
-            self.policy.train()  # Opacus validates the module in training mode
-            self.private = make_private(
-                self.policy, self.optimizer, len(self.train_rows), cfg.privacy,
-                batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
-                noise_multiplier=sigma, after_noise=lambda _: add_proximal_gradient(*self._proximal),
-                seed=seed if cfg.privacy.deterministic else None,
-            )
-            self.optimizer = self.private.optimizer  # clips per prompt, adds noise, then FedProx's term
-            batches = _forever(self.private.sampler)
-        else:
-            loader = torch.utils.data.DataLoader(
-                torch.utils.data.TensorDataset(torch.arange(len(self.train_rows))),
-                batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True, generator=generator)
-            batches = _forever(loader)
-        history = list(privacy_history or [])
         try:
-            metrics = [self.iteration(next(batches)[0].tolist()) for _ in range(iterations)]
+            yield LocalFit(update=update, batches=(batch[0].tolist() for batch in batches),
+                           critic_optimizer=critic_optimizer)
         finally:
-            if self.private is not None:
-                self.private.close()
-        if self.private is not None:
-            history = record_iterations(history, sigma, cfg.actor.ppo_epochs, self.private.sample_rate, iterations)
-        return FitResult(metrics=metrics, privacy_history=history, noise_multiplier=sigma if self.private else 0.0)
+            update.close()
 
     @torch.no_grad()
-    def evaluate(self, rows: list[Row]) -> dict[str, float]:
-        """Greedy decoding on ``rows``: mean reward, and accuracy (share of rewards >= 1)."""
+    def evaluate(self, rows: list[Row]) -> EvaluateReport | None:
+        """Greedy decoding on ``rows``: mean reward, and accuracy (share of rewards >= 1); None
+        without rows."""
         if not rows:
-            return {}
+            return None
         batch = generate(self.policy, self.tokenizer, rows, self.config.rollout,
                          self.config.data.max_prompt_length, n=1, greedy=True)
         scores = self.reward_fn(batch).sum(-1)
-        return {"reward": scores.mean().item(), "accuracy": (scores >= 1.0).float().mean().item()}
+        return EvaluateReport(reward=scores.mean().item(), accuracy=(scores >= 1.0).float().mean().item())
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, prompt_indices: list[int]) -> dict[str, float]:
+    def iteration(self, fit: LocalFit) -> dict[str, float]:
+        """One RL iteration of ``fit``: draw prompts, roll out, score, update (module docstring)."""
         cfg, timings = self.config, {}
-        rows = [self.train_rows[i] for i in prompt_indices]
+        rows = [self.train_rows[i] for i in next(fit.batches)]
         if not rows:  # an empty Poisson draw is still a round of (noise-only) DP steps
             for _ in range(cfg.actor.ppo_epochs * self.num_mini_batches):
-                self.private.noise_only_step()
+                fit.update.noise_only_step()
             return {"prompts": 0.0}
 
         with _timed(timings, "rollout"):
@@ -187,7 +238,7 @@ class LocalPPOTrainer:
                 config=self.algo_config,
             )
         with _timed(timings, "update"):
-            metrics.update(self._update(batch, num_units=len(rows)))
+            metrics.update(self._update(fit, batch, num_units=len(rows)))
 
         mask = batch.batch["response_mask"].float()
         kl = core_algos.kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], "low_var_kl")
@@ -196,7 +247,7 @@ class LocalPPOTrainer:
             "reward_mean": batch.batch["token_level_scores"].sum(-1).mean().item(),
             "response_length": mask.sum(-1).mean().item(),
             "kl": verl_F.masked_mean(kl, mask).item(),
-            "proximal_term": proximal_term(*self._proximal).item(),
+            "proximal_term": fit.update.proximal.term(self.policy_params).item(),
             **{f"time_{phase}": seconds for phase, seconds in timings.items()},
         })
         return metrics
@@ -226,27 +277,27 @@ class LocalPPOTrainer:
         return values[:, -responses.shape[1] - 1: -1] * batch.batch["response_mask"]
 
     # ------------------------------------------------------------------ the update
-    def _update(self, batch: DataProto, num_units: int) -> dict[str, float]:
+    def _update(self, fit: LocalFit, batch: DataProto, num_units: int) -> dict[str, float]:
         """ppo_epochs passes; each splits the prompts (units) into the configured mini-batches."""
-        cfg, n = self.config, self.config.rollout.n
+        n = self.config.rollout.n
         totals: dict[str, list[float]] = defaultdict(list)
         self.policy.train()
-        for _ in range(cfg.actor.ppo_epochs):
-            for units in split_units(num_units, self.num_mini_batches, self.rng):
-                if len(units) == 0:  # only under DP: an empty chunk of a small Poisson draw
-                    self.private.noise_only_step()
+        for _ in range(self.config.actor.ppo_epochs):
+            for units in fit.update.split(num_units):
+                if len(units) == 0:  # an empty mini-batch of a small draw: under DP still a (noise) step
+                    fit.update.noise_only_step()
                     continue
                 rows = (units[:, None] * n + np.arange(n)).reshape(-1)  # each unit's n adjacent rows
                 mini_batch = batch.select_idxs(np.sort(rows))
-                for key, value in self._actor_step(mini_batch).items():
+                for key, value in self._actor_step(fit.update, mini_batch).items():
                     totals[key].append(value)
-                if self.critic is not None:
-                    for key, value in self._critic_step(mini_batch).items():
+                if fit.critic_optimizer is not None:
+                    for key, value in self._critic_step(fit.critic_optimizer, mini_batch).items():
                         totals[key].append(value)
         self.policy.eval()
         return {key: float(np.mean(values)) for key, values in totals.items()}
 
-    def _actor_step(self, mb: DataProto) -> dict[str, float]:
+    def _actor_step(self, update: PlainUpdate | PrivateUpdate, mb: DataProto) -> dict[str, float]:
         actor, mask = self.config.actor, mb.batch["response_mask"]
         log_prob, entropy = self._forward_policy(mb, with_entropy=actor.entropy_coeff > 0)
         pg_loss, pg_metrics = self.policy_loss_fn(
@@ -260,18 +311,11 @@ class LocalPPOTrainer:
             kld = core_algos.kl_penalty(log_prob, mb.batch["ref_log_prob"], actor.kl_loss_type)
             loss = loss + actor.kl_loss_coef * core_algos.agg_loss(kld, mask, actor.loss_agg_mode)
         loss.backward()
-        if self.private is not None:
-            pool_units(self.optimizer.params, self.config.rollout.n)  # one gradient per prompt
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self._proximal[0], actor.grad_clip)
-            pg_metrics["actor/grad_norm"] = grad_norm.item()
-            add_proximal_gradient(*self._proximal)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        return {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0),
+        step_metrics = update.step()
+        return {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0), **step_metrics,
                 **{k.removeprefix("actor/"): v for k, v in pg_metrics.items() if k != "actor/pg_clipfrac"}}
 
-    def _critic_step(self, mb: DataProto) -> dict[str, float]:
+    def _critic_step(self, optimizer: torch.optim.Optimizer, mb: DataProto) -> dict[str, float]:
         critic = self.config.critic
         vpreds = self._values(mb, grad=True)
         vf_loss, vf_clipfrac = core_algos.compute_value_loss(
@@ -281,8 +325,8 @@ class LocalPPOTrainer:
         )
         vf_loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.critic.parameters() if p.requires_grad], critic.grad_clip)
-        self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
         return {"vf_loss": vf_loss.item(), "vf_clipfrac": float(vf_clipfrac)}
 
 

@@ -1,0 +1,190 @@
+"""The messages between the server and a client, typed, defined once.
+
+Flower carries a fit's instructions as a flat config dict and a client's report as a flat
+metrics dict of scalars. These dataclasses are the only code that reads or writes those
+dicts: ``FitConfig`` (server -> client, in ``FitIns.config``), ``FitReport`` (client -> server,
+in ``FitRes.metrics``) and ``EvaluateReport`` (in ``EvaluateRes.metrics``). Each ``from_*``
+rejects a missing or mistyped entry with a ``ProtocolError`` that names it.
+
+What travels in the clear beside the (securely aggregated) update: everything in ``FitReport``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from flwr_verl.config import FlwrVerlError
+from flwr_verl.privacy import PrivacyAccount
+
+STATUS_OK = "ok"
+STATUS_BUDGET = "privacy_budget_exhausted"  # the client refused the round: it would pass its epsilon budget
+STATUSES = (STATUS_OK, STATUS_BUDGET)
+
+
+class ProtocolError(FlwrVerlError, ValueError):
+    """A message between server and client lacks an entry or has one of the wrong type."""
+
+
+def _read(values: dict[str, Any], key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+    if key not in values:
+        if default is dataclasses.MISSING:
+            raise ProtocolError(f"message entry {key!r} is missing")
+        return default
+    value = values[key]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
+        isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ProtocolError(f"message entry {key!r}={value!r} must be of type {kind.__name__}")
+    return float(value) if kind is float else value
+
+
+@dataclass(frozen=True)
+class SecAggBounds:
+    """What a client must check before SecAgg+ quantizes its update (see ``secagg.py``)."""
+
+    clipping_range: float
+    max_weight: float
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """The server's instructions for one client's fit."""
+
+    server_round: int  # counted across resumes
+    local_iterations: int
+    planned_iterations: int  # over the whole run: what privacy.target_epsilon is spread over
+    proximal_mu: float
+    # The server's copy of this client's own privacy account (never another client's): the
+    # client merges it with its own record, so a record lost on the node is not reset.
+    privacy_account: PrivacyAccount | None = None
+    secagg: SecAggBounds | None = None  # None: the update travels in the clear
+    fail_partition: int = -1  # fault injection for tests: this partition's fit raises
+
+    def to_config(self) -> dict[str, bool | int | float | str]:
+        config: dict[str, bool | int | float | str] = {
+            "server_round": self.server_round, "local_iterations": self.local_iterations,
+            "planned_iterations": self.planned_iterations, "proximal_mu": self.proximal_mu,
+            "fail_partition": self.fail_partition, "secure": self.secagg is not None,
+        }
+        if self.privacy_account is not None:
+            config["privacy_account"] = self.privacy_account.to_json()
+        if self.secagg is not None:
+            config.update(secagg_clipping_range=self.secagg.clipping_range, secagg_max_weight=self.secagg.max_weight)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FitConfig:
+        account = _read(config, "privacy_account", str, None)
+        secagg = SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)) \
+            if _read(config, "secure", bool) else None
+        return cls(
+            server_round=_read(config, "server_round", int), local_iterations=_read(config, "local_iterations", int),
+            planned_iterations=_read(config, "planned_iterations", int),
+            proximal_mu=_read(config, "proximal_mu", float),
+            privacy_account=PrivacyAccount.from_json(account) if account is not None else None,
+            secagg=secagg, fail_partition=_read(config, "fail_partition", int),
+        )
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """One fit's training metrics, on the client's private training prompts."""
+
+    reward_before: float  # mean sampled reward in the first iteration with prompts
+    reward_after: float  # ... and in the last
+    reward_mean: float
+    kl: float  # to the reference policy (adapter disabled)
+    response_length: float
+    pg_loss: float
+    time_fit: float
+    time_rollout: float
+    time_reward: float
+    time_log_prob: float
+    time_advantage: float
+    time_update: float
+
+
+@dataclass(frozen=True)
+class PrivacyReport:
+    """What a fit spent, and what one more round would bring the client to."""
+
+    account: PrivacyAccount
+    epsilon_total: float  # at privacy.delta, after this fit
+    epsilon_round: float  # spent by this fit
+    epsilon_next: float  # after one more round like this one
+    epsilon_budget: float  # 0: none
+    noise_multiplier: float
+    delta: float
+
+    def to_json_dict(self) -> dict[str, float | str]:
+        """Scalars only (the account as its JSON text): what Flower's metrics and JSON can hold."""
+        return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "account"},
+                "account": self.account.to_json()}
+
+    @classmethod
+    def from_json_dict(cls, values: dict[str, Any]) -> PrivacyReport:
+        return cls(account=PrivacyAccount.from_json(_read(values, "account", str)),
+                   **_read_fields(cls, values, "", skip={"account"}))
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A client's report beside its update: who it is, whether it trained, what it spent."""
+
+    status: str
+    partition_id: int
+    client_id: str
+    bytes_received: int
+    bytes_sent: int
+    privacy: PrivacyReport | None = None  # None without DP
+    training: TrainingSummary | None = None  # None when the client refused the round
+
+    def to_metrics(self) -> dict[str, bool | int | float | str]:
+        metrics: dict[str, bool | int | float | str] = {
+            "status": self.status, "partition_id": self.partition_id, "client_id": self.client_id,
+            "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
+        }
+        if self.privacy is not None:
+            metrics.update({f"privacy.{k}": v for k, v in self.privacy.to_json_dict().items()})
+        if self.training is not None:
+            metrics.update({f"training.{k}": v for k, v in dataclasses.asdict(self.training).items()})
+        return metrics
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any]) -> FitReport:
+        status = _read(metrics, "status", str)
+        if status not in STATUSES:
+            raise ProtocolError(f"message entry 'status'={status!r} must be one of {', '.join(STATUSES)}")
+        privacy = training = None
+        if "privacy.account" in metrics:
+            privacy = PrivacyReport.from_json_dict(
+                {k.removeprefix("privacy."): v for k, v in metrics.items() if k.startswith("privacy.")})
+        if "training.reward_mean" in metrics:
+            training = TrainingSummary(**_read_fields(TrainingSummary, metrics, "training."))
+        return cls(status=status, partition_id=_read(metrics, "partition_id", int),
+                   client_id=_read(metrics, "client_id", str), bytes_received=_read(metrics, "bytes_received", int),
+                   bytes_sent=_read(metrics, "bytes_sent", int), privacy=privacy, training=training)
+
+
+@dataclass(frozen=True)
+class EvaluateReport:
+    """Greedy decoding on the client's held-out prompts (disjoint from every client's training data)."""
+
+    reward: float
+    accuracy: float  # share of responses with reward >= 1
+
+    def to_metrics(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any]) -> EvaluateReport:
+        return cls(**_read_fields(cls, metrics, ""))
+
+
+def _read_fields(cls, values: dict[str, Any], prefix: str, skip: frozenset | set = frozenset()) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: _read(values, prefix + f.name, hints[f.name])
+            for f in dataclasses.fields(cls) if f.name not in skip}
+
