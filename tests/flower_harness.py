@@ -173,6 +173,7 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
 
     from flwr_verl.client import VerlClient, cached_rows
     from flwr_verl.config import parse_run_config
+    from flwr_verl.protocol import SecAggBounds
     from flwr_verl.secagg import derive_parameters
     from flwr_verl.strategy import FedProxAdapters
 
@@ -180,8 +181,7 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
     federation, engine = config.federation, config.engine
     secagg = derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
     strategy = FedProxAdapters(federation, global_arrays, local_iterations=engine.trainer.local_iterations,
-                               secure_aggregation={"secagg_clipping_range": secagg.clipping_range,
-                                                   "secagg_max_weight": secagg.max_weight})
+                               secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight))
     (_, fit_ins), *_ = strategy.configure_fit(server_round, ndarrays_to_parameters(global_arrays),
                                               FakeClientManager(range(num_partitions)))
     out = []

@@ -15,7 +15,7 @@ from flwr_verl.config import ADV_ESTIMATORS, engine_config
 from flwr_verl.data import DataError, load_parquet_rows, load_rows, prompt_text
 from flwr_verl.embedded import arithmetic_rows, compute_score
 from flwr_verl.models import load_tokenizer
-from flwr_verl.proximal import add_proximal_gradient, proximal_term
+from flwr_verl.proximal import Proximal
 from flwr_verl.rollout import generate
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -89,7 +89,7 @@ def test_fit_reports_finite_metrics(trained):
     for metrics in trained.result.metrics:
         for key in ("reward_mean", "response_length", "kl", "pg_loss", "pg_clipfrac", "time_rollout", "time_update"):
             assert math.isfinite(metrics[key]), (key, metrics)
-    assert trained.result.privacy_history == [] and trained.result.noise_multiplier == 0.0
+    assert trained.result.mechanism is None and trained.result.iterations == 2  # no privacy: nothing spent
 
 
 # ----------------------------------------------------------------------------- every estimator
@@ -121,7 +121,7 @@ def test_each_pass_over_the_prompts_is_drawn_afresh(tiny_config, private):
     config = tiny_config(privacy={"enabled": private})
     trainer = LocalPPOTrainer(config, load_rows(config.data, "train", seed=0))
     drawn: list[list[int]] = []
-    trainer.iteration = lambda indices: drawn.append(sorted(indices)) or {}  # record, do not train
+    trainer.iteration = lambda fit: drawn.append(sorted(next(fit.batches))) or {}  # record, do not train
     per_pass = 32 // 8  # train_size / train_batch_size (Opacus: 1 / sample rate)
     trainer.fit(2 * per_pass)
     first, second = drawn[:per_pass], drawn[per_pass:]
@@ -191,18 +191,26 @@ def _params(seed: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
 
 def test_proximal_term_is_zero_at_the_anchor():
     params, _ = _params(0)
-    assert proximal_term(params, [p.detach().clone() for p in params], mu=0.5).item() == 0.0
+    assert Proximal.at(params, [p.detach().clone() for p in params], mu=0.5).term(params).item() == 0.0
 
 
 def test_proximal_gradient_is_mu_times_distance():
     params, anchor = _params(1)
     mu = 0.3
-    term = proximal_term(params, anchor, mu)
+    term = Proximal.at(params, anchor, mu).term(params)
     expected = 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
     assert torch.allclose(term, expected) and term.item() > 0
     term.backward()
     for p, a in zip(params, anchor):
         assert torch.allclose(p.grad, mu * (p.detach() - a), atol=1e-6)
+
+
+def test_proximal_anchor_takes_each_parameters_dtype_and_device():
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(3))]
+    proximal = Proximal.at(params, [np.ones(2, np.float32), np.ones(3, np.float64)], mu=1.0)
+    assert [(a.dtype, a.device) for a in proximal.anchor] == [(p.dtype, p.device) for p in params]
+    with pytest.raises(ValueError, match="anchor has 1 arrays for 2 parameters"):
+        Proximal.at(params, [np.ones(2)], mu=1.0)
 
 
 def test_add_proximal_gradient_adds_exactly_that():
@@ -213,12 +221,13 @@ def test_add_proximal_gradient_adds_exactly_that():
     for p, g in zip(params, existing):
         if p is not params[1]:
             p.grad = g.clone()
-    add_proximal_gradient(params, anchor, mu)
+    Proximal.at(params, anchor, mu).add_gradient(params)
     for index, (p, a, g) in enumerate(zip(params, anchor, existing)):
         step = mu * (p.detach() - a)
         assert torch.equal(p.grad, step if index == 1 else g + step)
     before = [p.grad.clone() for p in params]
-    add_proximal_gradient(params, anchor, 0.0)
+    Proximal.at(params, anchor, 0.0).add_gradient(params)
+    assert Proximal.at(params, anchor, 0.0).term(params).item() == 0.0  # mu = 0 is FedAvg
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
 
 
@@ -229,7 +238,7 @@ def test_fit_with_anchor_reports_the_term_at_the_final_weights(tiny_config):
     anchor = [p.detach() + 0.01 * torch.randn(p.shape) for p in params]
     mu = 0.5
     metrics = trainer.fit(1, anchor=anchor, proximal_mu=mu).metrics[-1]
-    assert metrics["proximal_term"] == pytest.approx(proximal_term(params, anchor, mu).item(), rel=1e-5)
+    assert metrics["proximal_term"] == pytest.approx(Proximal.at(params, anchor, mu).term(params).item(), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- learning
@@ -264,7 +273,7 @@ def test_sampled_reward_rises(learning_run):
 
 def test_greedy_accuracy_on_held_out_prompts_rises(learning_run):
     assert len(learning_run.val) == 128
-    before, after = learning_run.before["accuracy"], learning_run.after["accuracy"]
+    before, after = learning_run.before.accuracy, learning_run.after.accuracy
     assert after - before >= GREEDY_MARGIN, (before, after)
 
 

@@ -30,16 +30,16 @@ from flwr_verl.config import ConfigError, PrivacyConfig, engine_config
 from flwr_verl.data import task_rows
 from flwr_verl.models import build_models
 from flwr_verl.privacy import (
-    PrivateTraining,
-    effective_noise_multiplier,
-    epsilon,
+    IterationMechanism,
+    PrivacyAccount,
+    PrivacyAccountError,
+    PrivateUpdate,
     make_private,
     noise_for_target_epsilon,
     pool_units,
-    record_iterations,
     sample_rate,
 )
-from flwr_verl.proximal import add_proximal_gradient
+from flwr_verl.proximal import Proximal
 from flwr_verl.rollout import generate
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -74,16 +74,32 @@ def restore_adapters(request):
     policy = request.getfixturevalue("models").policy
     saved = [p.detach().clone() for p in trainable(policy)]
     yield
-    attached = hasattr(policy, "autograd_grad_sample_hooks")
+    attached = per_sample_hooks_attached(policy)
     with torch.no_grad():
         for param, value in zip(trainable(policy), saved):
             param.copy_(value)
-            param.grad = None
-            for attr in ("grad_sample", "summed_grad"):
-                if hasattr(param, attr):
-                    delattr(param, attr)
     policy.eval()
     assert not attached, "Opacus hooks were left attached to the policy"
+
+
+def clear_gradients(policy) -> None:
+    for param in trainable(policy):
+        param.grad = None
+        for attr in ("grad_sample", "summed_grad"):
+            if hasattr(param, attr):
+                delattr(param, attr)
+
+
+def per_sample_hooks_attached(policy) -> bool:
+    """Behaviour, not Opacus's internals: while its hooks are attached, a backward pass in
+    training mode leaves per-sample gradients (``grad_sample``) on the LoRA weights."""
+    clear_gradients(policy)
+    policy.train()
+    policy(input_ids=torch.tensor([[1, 2, 3]], device="cpu")).logits.sum().backward()
+    attached = any(getattr(p, "grad_sample", None) is not None for p in trainable(policy))
+    clear_gradients(policy)
+    policy.eval()
+    return attached
 
 
 @pytest.fixture(scope="module")
@@ -123,23 +139,21 @@ def policy_loss(policy, data) -> torch.Tensor:
                                "seq-mean-token-mean")
 
 
-def dp_step(private, policy, batch) -> None:
-    """One DP-SGD step as the trainer takes it: backward, pool per prompt, clip + noise + step."""
+def dp_step(private: PrivateUpdate, policy, batch) -> None:
+    """One DP-SGD step as the trainer takes it: backward, then pool per prompt, clip, noise, step."""
     policy_loss(policy, batch).backward()
-    pool_units(private.optimizer.params, N_RESPONSES)
-    private.optimizer.step()
-    private.optimizer.zero_grad()
+    private.step()
 
 
 def attach(policy, optimizer, *, noise: float, max_grad_norm: float = 1.0, mode: str = "hooks",
-           batch_size: int = G, num_prompts: int = 4 * G, num_mini_batches: int = 1, after_noise=None,
-           seed: int = 0) -> PrivateTraining:
+           batch_size: int = G, num_prompts: int = 4 * G, num_mini_batches: int = 1, proximal: Proximal | None = None,
+           seed: int = 0) -> PrivateUpdate:
     """Opacus on the policy exactly as the trainer does it (``make_private``)."""
     policy.train()
     return make_private(
         policy, optimizer, num_prompts, PrivacyConfig(max_grad_norm=max_grad_norm, grad_sample_mode=mode),
-        batch_size=batch_size, num_mini_batches=num_mini_batches, noise_multiplier=noise,
-        after_noise=after_noise, seed=seed,
+        batch_size=batch_size, num_mini_batches=num_mini_batches, rows_per_unit=N_RESPONSES, noise_multiplier=noise,
+        proximal=proximal, seed=seed,
     )
 
 
@@ -247,10 +261,7 @@ def test_no_unit_contributes_more_than_max_grad_norm(models, batch):
         private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm,
                          batch_size=1, num_prompts=4)
         try:
-            policy_loss(policy, batch.select_idxs(unit_rows(unit))).backward()
-            pool_units(private.optimizer.params, N_RESPONSES)
-            private.optimizer.step()
-            private.optimizer.zero_grad()
+            dp_step(private, policy, batch.select_idxs(unit_rows(unit)))
         finally:
             private.close()
         contribution = flat(s - p.detach() for s, p in zip(start, params))
@@ -310,17 +321,20 @@ def test_lora_weights_change_under_dp(models, rows):
     assert result.metrics[0]["prompts"] > 0
     unchanged = [name for name, b, p in zip(names, before, params) if torch.equal(b, p.detach())]
     assert not unchanged, f"LoRA weights did not change under DP-SGD: {unchanged}"
-    assert result.privacy_history == [(0.0, 8 / 64, 2)]
-    assert not hasattr(models.policy, "autograd_grad_sample_hooks"), "fit left Opacus hooks attached"
+    assert result.mechanism == IterationMechanism(0.0, 8 / 64, 1) and result.iterations == 2
+    assert not per_sample_hooks_attached(models.policy), "fit left Opacus hooks attached"
 
 
 def test_fit_records_multi_epoch_iterations_at_sigma_over_sqrt_k(models, rows):
     trainer = LocalPPOTrainer(engine_config(
         data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 4, "ppo_epochs": 4},
         privacy={"deterministic": True, "noise_multiplier": 1.0}), rows[:40], models=models)
-    trainer.iteration = lambda indices: {"prompts": float(len(indices))}  # sampling and accounting only
-    result = trainer.fit(5, privacy_history=[(0.5, 8 / 40, 3)], seed=0)
-    assert result.privacy_history == [(0.5, 8 / 40, 8)]  # merged: the same (sigma/sqrt(4), q)
+    trainer.iteration = lambda fit: {"prompts": float(len(next(fit.batches)))}  # sampling and accounting only
+    result = trainer.fit(5, seed=0)
+    assert result.mechanism == IterationMechanism(1.0, 8 / 40, 4) and result.iterations == 5
+    account = PrivacyAccount(history=[(0.5, 8 / 40, 3)])
+    account.record(result.mechanism, result.iterations)
+    assert account.history == [(0.5, 8 / 40, 8)]  # merged: the same (sigma/sqrt(4), q)
 
 
 def test_poisson_draws_are_fresh_and_at_rate_batch_over_n(models, rows):
@@ -330,10 +344,11 @@ def test_poisson_draws_are_fresh_and_at_rate_batch_over_n(models, rows):
                                             actor={"ppo_mini_batch_size": batch_size},
                                             privacy={"deterministic": True}), rows[:num_prompts], models=models)
     draws = []
-    trainer.iteration = lambda indices: draws.append(tuple(indices)) or {"prompts": float(len(indices))}
+    trainer.iteration = lambda fit: draws.append(tuple(next(fit.batches))) or {"prompts": float(len(draws[-1]))}
     result = trainer.fit(400, seed=1)
     q = batch_size / num_prompts
-    assert result.privacy_history == [(trainer.config.privacy.noise_multiplier, q, 400)]
+    assert result.mechanism == IterationMechanism(trainer.config.privacy.noise_multiplier, q, 1)
+    assert result.iterations == 400
     period = math.ceil(num_prompts / batch_size)
     assert draws[:period] != draws[period: 2 * period], "Poisson draws repeat: subsampling is not fresh"
     assert len(set(draws)) > 300
@@ -361,7 +376,7 @@ def test_empty_poisson_draw_is_a_noise_only_step(models):
     else:
         pytest.fail("no empty Poisson draw in 30 seeds at q=1/2000")
     assert result.metrics == [{"prompts": 0.0}]
-    assert result.privacy_history == [(1.0, 1 / 2000, 1)]  # the empty iteration is accounted
+    assert result.mechanism == IterationMechanism(1.0, 1 / 2000, 1) and result.iterations == 1  # accounted
     changed = [not torch.equal(s, p.detach()) for s, p in zip(start, params)]
     assert all(changed), "an empty draw made no (noise) update"
 
@@ -376,7 +391,7 @@ def test_proximal_gradient_is_added_after_noise_and_not_clipped(models, batch):
     before = [p.detach().clone() for p in params]
     private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, max_grad_norm=max_grad_norm,
                      batch_size=G, num_prompts=4 * G, num_mini_batches=1,
-                     after_noise=lambda _: add_proximal_gradient(params, anchor, mu))
+                     proximal=Proximal.at(params, anchor, mu))
     try:
         assert private.optimizer.expected_batch_size == G  # a term added before scaling would shrink G-fold
         dp_step(private, policy, batch)
@@ -390,24 +405,29 @@ def test_proximal_gradient_is_added_after_noise_and_not_clipped(models, batch):
 
 
 # ----------------------------------------------------------------------------- accounting
+def spent(sigma: float, q: float, iterations: int, epochs: int = 1, accountant: str = "rdp") -> PrivacyAccount:
+    """A fresh account after ``iterations`` iterations at (sigma, q, K = epochs)."""
+    return PrivacyAccount(accountant).after(IterationMechanism(sigma, q, epochs), iterations)
+
+
 @pytest.mark.parametrize(("sigma", "q", "steps", "reference"), [
     (1.0, 0.016, 1000, 3.40),
     (0.8, 0.016, 100, 2.84),
     (1.5, 0.016, 100, 0.63),
 ])
 def test_rdp_epsilon_matches_independent_computation(sigma, q, steps, reference):
-    history = record_iterations([], sigma, 1, q, steps)
-    assert history == [(sigma, q, steps)]
-    ours = epsilon(history, DELTA)
+    account = spent(sigma, q, steps)
+    assert account.history == [(sigma, q, steps)]
+    ours = account.epsilon(DELTA)
     assert ours == pytest.approx(rdp_epsilon(sigma, q, steps), rel=1e-9)
     assert ours == pytest.approx(reference, abs=0.006)
 
 
 def test_multi_epoch_iteration_is_one_step_at_sigma_over_sqrt_k():
     sigma, q, iterations, epochs = 1.0, 0.016, 1000, 4
-    history = record_iterations([], sigma, epochs, q, iterations)
-    assert history == [(sigma / 2, q, iterations)]
-    honest = epsilon(history, DELTA)
+    account = spent(sigma, q, iterations, epochs)
+    assert account.history == [(sigma / 2, q, iterations)]
+    honest = account.epsilon(DELTA)
     assert honest == pytest.approx(rdp_epsilon(sigma / 2, q, iterations), rel=1e-9)
     assert honest == pytest.approx(22.5, abs=0.01)  # the notes' honest figure
     undercounted = rdp_epsilon(sigma, q, epochs * iterations)  # Opacus's step hook: K fresh steps
@@ -415,51 +435,75 @@ def test_multi_epoch_iteration_is_one_step_at_sigma_over_sqrt_k():
     assert honest > 3 * undercounted
 
 
-def test_history_composes_across_fits_and_noise_levels():
+def test_account_composes_across_fits_and_noise_levels():
     q = 0.05
-    history = record_iterations([], 1.2, 1, q, 30)
-    history = record_iterations(history, 1.2, 1, q, 50)  # same mechanism: merged
-    assert history == [(1.2, q, 80)]
-    history = record_iterations(history, 1.2, 2, q, 20)  # two epochs: a new mechanism
-    assert history == [(1.2, q, 80), (1.2 / math.sqrt(2), q, 20)]
+    account = spent(1.2, q, 30)
+    account.record(IterationMechanism(1.2, q), 50)  # same mechanism: merged
+    assert account.history == [(1.2, q, 80)]
+    account.record(IterationMechanism(1.2, q, ppo_epochs=2), 20)  # two epochs: a new mechanism
+    assert account.history == [(1.2, q, 80), (1.2 / math.sqrt(2), q, 20)] and account.steps == 100
     orders = RDPAccountant.DEFAULT_ALPHAS
     rdp = compute_rdp(q=q, noise_multiplier=1.2, steps=80, orders=orders) + \
         compute_rdp(q=q, noise_multiplier=1.2 / math.sqrt(2), steps=20, orders=orders)
-    assert epsilon(history, DELTA) == pytest.approx(get_privacy_spent(orders=orders, rdp=rdp, delta=DELTA)[0],
+    assert account.epsilon(DELTA) == pytest.approx(get_privacy_spent(orders=orders, rdp=rdp, delta=DELTA)[0],
                                                    rel=1e-9)
-    assert epsilon([], DELTA) == 0.0
-    assert epsilon([(0.0, q, 1)], DELTA) == math.inf
+    assert PrivacyAccount().epsilon(DELTA) == 0.0
+    assert spent(0.0, q, 1).epsilon(DELTA) == math.inf
+
+
+def test_after_answers_what_if_without_spending():
+    account = spent(1.0, 0.1, 5)
+    future = account.after(IterationMechanism(1.0, 0.1), 5)
+    assert account.history == [(1.0, 0.1, 5)] and future.history == [(1.0, 0.1, 10)]
+    assert future.epsilon(DELTA) > account.epsilon(DELTA)
+
+
+def test_merge_keeps_the_record_that_spent_more_and_never_under_counts():
+    short, long = spent(1.0, 0.1, 5), spent(1.0, 0.1, 9)
+    assert short.merge(long).history == long.history == long.merge(short).history
+    assert short.merge(long).epsilon(DELTA) == long.epsilon(DELTA)
+    with pytest.raises(PrivacyAccountError, match="cannot merge"):
+        short.merge(spent(1.0, 0.1, 5, accountant="prv"))
+
+
+def test_account_round_trips_through_json_and_rejects_garbage():
+    account = spent(0.9, 0.05, 7, epochs=2, accountant="prv")
+    again = PrivacyAccount.from_json(account.to_json())
+    assert again == account and again.epsilon(DELTA) == account.epsilon(DELTA)
+    for text in ("", "[]", '{"accountant": "rdp"}', '{"accountant": "rdp", "history": [[1, 2]]}'):
+        with pytest.raises(PrivacyAccountError, match="malformed privacy account"):
+            PrivacyAccount.from_json(text)
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 def test_a_fit_of_zero_iterations_spends_nothing(accountant):
-    assert record_iterations([], 1.0, 1, 0.1, 0) == []
-    history = record_iterations([(1.0, 0.1, 5)], 0.7, 1, 0.1, 0)
-    assert history == [(1.0, 0.1, 5)]
-    assert epsilon([(1.0, 0.1, 0)], DELTA, accountant) == 0.0  # RDP alone would say 0.10; PRV would crash
-    assert epsilon([(1.0, 0.1, 0), (1.0, 0.1, 5)], DELTA, accountant) == epsilon([(1.0, 0.1, 5)], DELTA, accountant)
+    assert spent(1.0, 0.1, 0, accountant=accountant).history == []
+    account = spent(1.0, 0.1, 5, accountant=accountant)
+    assert account.after(IterationMechanism(0.7, 0.1), 0).history == [(1.0, 0.1, 5)]
+    # RDP alone would say 0.10 for a zero-step entry; PRV would crash on it.
+    assert PrivacyAccount(accountant, [(1.0, 0.1, 0)]).epsilon(DELTA) == 0.0
+    assert PrivacyAccount(accountant, [(1.0, 0.1, 0), (1.0, 0.1, 5)]).epsilon(DELTA) == account.epsilon(DELTA)
 
 
 def test_prv_epsilon_matches_independent_computation():
-    history = [(1.0, 0.016, 1000)]
-    ours = epsilon(history, DELTA, accountant="prv")
-    assert ours == pytest.approx(prv_epsilon(history), rel=1e-6)
+    account = PrivacyAccount("prv", [(1.0, 0.016, 1000)])
+    ours = account.epsilon(DELTA)
+    assert ours == pytest.approx(prv_epsilon(account.history), rel=1e-6)
     assert ours == pytest.approx(3.06, abs=0.01)  # the notes' reference
-    assert ours < epsilon(history, DELTA)  # PRV is tighter than RDP here
-    multi = record_iterations([], 1.0, 4, 0.016, 250)
-    assert epsilon(multi, DELTA, accountant="prv") == pytest.approx(prv_epsilon([(0.5, 0.016, 250)]), rel=1e-6)
+    assert ours < PrivacyAccount("rdp", account.history).epsilon(DELTA)  # PRV is tighter than RDP here
+    multi = spent(1.0, 0.016, 250, epochs=4, accountant="prv")
+    assert multi.epsilon(DELTA) == pytest.approx(prv_epsilon([(0.5, 0.016, 250)]), rel=1e-6)
 
 
 def test_multi_epoch_composition_is_exact_without_subsampling():
     """At q = 1, K releases at sigma are exactly one Gaussian mechanism with mu = sqrt(K)/sigma:
     the PRV accountant of the recorded history must match the closed form (its error is 0.01)."""
     sigma, epochs, iterations = 2.0, 4, 10
-    history = record_iterations([], sigma, epochs, 1.0, iterations)
     exact = gaussian_epsilon(math.sqrt(epochs * iterations) / sigma)
-    ours = epsilon(history, DELTA, accountant="prv")
+    ours = spent(sigma, 1.0, iterations, epochs, accountant="prv").epsilon(DELTA)
     assert exact - 1e-3 <= ours <= exact + 0.02
     # K independent steps at sigma are the same mechanism at q = 1: also exact.
-    assert epsilon([(sigma, 1.0, epochs * iterations)], DELTA, accountant="prv") == pytest.approx(ours, abs=0.02)
+    assert spent(sigma, 1.0, epochs * iterations, accountant="prv").epsilon(DELTA) == pytest.approx(ours, abs=0.02)
 
 
 # ----------------------------------------------------------------------------- target epsilon
@@ -469,18 +513,16 @@ def test_noise_for_target_epsilon_meets_the_target(target, epochs):
     config = PrivacyConfig(target_epsilon=target)
     q, iterations = 0.05, 240
     sigma = noise_for_target_epsilon(config, q, iterations, epochs)
-    spent = epsilon(record_iterations([], sigma, epochs, q, iterations), config.delta)
-    assert target - 0.02 <= spent <= target + 1e-6
-    assert effective_noise_multiplier(sigma, epochs) == pytest.approx(sigma / math.sqrt(epochs))
+    assert target - 0.02 <= spent(sigma, q, iterations, epochs).epsilon(config.delta) <= target + 1e-6
+    assert IterationMechanism(sigma, q, epochs).effective_noise_multiplier == pytest.approx(sigma / math.sqrt(epochs))
     # The least such noise: 1% less overspends.
-    assert epsilon(record_iterations([], sigma * 0.99, epochs, q, iterations), config.delta) > target
+    assert spent(sigma * 0.99, q, iterations, epochs).epsilon(config.delta) > target
 
 
 def test_noise_for_target_epsilon_prv():
     config = PrivacyConfig(target_epsilon=3.0, accountant="prv")
     sigma = noise_for_target_epsilon(config, 0.1, 24, 1)
-    spent = epsilon(record_iterations([], sigma, 1, 0.1, 24), config.delta, accountant="prv")
-    assert 3.0 - 0.02 <= spent <= 3.0 + 1e-6
+    assert 3.0 - 0.02 <= spent(sigma, 0.1, 24, accountant="prv").epsilon(config.delta) <= 3.0 + 1e-6
 
 
 def test_impossible_target_epsilon_raises_config_error():
@@ -492,6 +534,7 @@ def test_impossible_target_epsilon_raises_config_error():
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(("section", "values", "key"), [
     ("privacy", {"noise_multiplier": -0.1}, "privacy.noise_multiplier"),
+    ("privacy", {"noise_multiplier": 0.0}, "privacy.noise_multiplier"),  # DP on without noise: epsilon = inf
     ("privacy", {"max_grad_norm": 0.0}, "privacy.max_grad_norm"),
     ("privacy", {"max_grad_norm": -1.0}, "privacy.max_grad_norm"),
     ("privacy", {"delta": 0.0}, "privacy.delta"),
@@ -534,5 +577,36 @@ def test_batch_larger_than_prompts_fails_before_training(models, rows):
     params = trainable(models.policy)
     with pytest.raises(ConfigError, match="data.train_batch_size"):
         make_private(models.policy, torch.optim.SGD(params, lr=1.0), 20, PrivacyConfig(),
-                     batch_size=32, num_mini_batches=1, noise_multiplier=1.0)
-    assert not hasattr(models.policy, "autograd_grad_sample_hooks")
+                     batch_size=32, num_mini_batches=1, rows_per_unit=N_RESPONSES, noise_multiplier=1.0)
+    assert not per_sample_hooks_attached(models.policy)
+
+
+# ----------------------------------------------------------------------------- mini-batch assignment
+def test_each_unit_joins_one_mini_batch_independently_of_the_others(models):
+    """The accounting argument: a unit's mini-batch must not depend on how many other units were
+    sampled. Adding unit 9 to a draw of 9 regroups none of the first 9 (``np.array_split`` of a
+    permutation would regroup them), each unit is in exactly one mini-batch, and the assignment
+    is uniform."""
+    def private_update():
+        return attach(models.policy, torch.optim.SGD(trainable(models.policy), lr=1.0), noise=1.0,
+                      batch_size=8, num_prompts=64, num_mini_batches=4, seed=7)
+
+    def assignment(update, count):
+        return {int(unit): batch for batch, units in enumerate(update.split(count)) for unit in units}
+
+    def assignments(count: int, draws: int = 1) -> list[dict[int, int]]:
+        update = private_update()  # seeded: the same random stream each time
+        try:
+            return [assignment(update, count) for _ in range(draws)]
+        finally:
+            update.close()
+
+    (with_nine,), (with_ten,) = assignments(9), assignments(10)
+    assert sorted(with_ten) == list(range(10)) and sorted(with_nine) == list(range(9))
+    assert all(with_ten[unit] == with_nine[unit] for unit in range(9))
+    counts = np.zeros((5, 4))
+    for draw in assignments(5, draws=2000):
+        for unit, batch in draw.items():
+            counts[unit, batch] += 1
+    # Binomial(2000, 1/4): std ~0.0097 of the frequency; allow 5 std.
+    assert np.abs(counts / 2000 - 0.25).max() < 0.05
