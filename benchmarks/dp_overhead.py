@@ -21,6 +21,7 @@ median of 3, large blocks returned to the OS on free) so that RSS follows live m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,10 +40,10 @@ VARIANTS = ("none", "hooks", "functorch")
 
 
 def setup(seed: int = 0):
-    """Trainer on the default config, and one rolled-out batch of exactly train_batch_size prompts."""
+    """One trainer per variant on the default config (sharing one model), and one rolled-out batch
+    of exactly train_batch_size prompts."""
     import dataclasses
 
-    import numpy as np
     import torch
 
     from flwr_verl.config import FederationConfig, engine_config
@@ -57,7 +58,7 @@ def setup(seed: int = 0):
                            rows)
     captured = {}
 
-    def capture(batch, num_units):
+    def capture(fit, batch, num_units):
         captured.update(batch=batch, num_units=num_units)
         return {}
 
@@ -65,67 +66,42 @@ def setup(seed: int = 0):
     phases = ("time_rollout", "time_reward", "time_log_prob", "time_advantage")
     metrics = twin.fit(4, seed=seed).metrics[1:]  # the first iteration pays one-time costs
     other_phases = statistics.median(sum(m[k] for k in phases) for m in metrics)
-    trainer = LocalPPOTrainer(config, rows, models=twin.models)
-    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    trainers = {"none": LocalPPOTrainer(twin.config, rows, models=twin.models)}
+    for mode in VARIANTS[1:]:
+        private = dataclasses.replace(config.privacy, grad_sample_mode=mode)
+        trainers[mode] = LocalPPOTrainer(dataclasses.replace(config, privacy=private), rows, models=twin.models)
+    params = trainers["none"].policy_params
     return {
-        "trainer": trainer,
+        "trainers": trainers,
         "params": params,
         "snapshot": [p.detach().clone() for p in params],
-        "anchor": [p.detach().clone() for p in params],
         "mu": FederationConfig().proximal_mu,
         "batch": captured["batch"],
         "num_units": captured["num_units"],
         "other_phases_seconds": other_phases,
-        "np": np,
         "torch": torch,
     }
 
 
-def prepare(state: dict, variant: str):
-    """Put the trainer in the state ``fit`` leaves it in before its first update."""
-    import dataclasses
-
-    from flwr_verl.privacy import make_private
-    from flwr_verl.proximal import add_proximal_gradient
-
-    torch, trainer, params = state["torch"], state["trainer"], state["params"]
+@contextlib.contextmanager
+def started_fit(state: dict, variant: str):
+    """The trainer of ``variant`` in the state its ``fit`` is in before the first update: the same
+    weights every time, a fresh optimizer, FedProx anchored at those weights."""
+    torch, params = state["torch"], state["params"]
     with torch.no_grad():
         for param, value in zip(params, state["snapshot"]):
             param.copy_(value)
             param.grad = None
-    trainer.rng = state["np"].random.default_rng(0)
-    trainer._proximal = (params, state["anchor"], state["mu"])
-    config = trainer.config
-    optimizer = torch.optim.AdamW(params, lr=config.actor.lr, weight_decay=config.actor.weight_decay)
-    trainer.private = None
-    trainer.optimizer = optimizer
-    if variant != "none":
-        trainer.policy.train()
-        trainer.private = make_private(
-            trainer.policy, optimizer, len(trainer.train_rows),
-            dataclasses.replace(config.privacy, grad_sample_mode=variant),
-            batch_size=config.data.train_batch_size, num_mini_batches=trainer.num_mini_batches,
-            noise_multiplier=config.privacy.noise_multiplier,
-            after_noise=lambda _: add_proximal_gradient(*trainer._proximal), seed=0,
-        )
-        trainer.optimizer = trainer.private.optimizer
-
-
-def finish(state: dict) -> None:
-    trainer = state["trainer"]
-    if trainer.private is not None:
-        trainer.private.close()
-        trainer.private = None
+    trainer = state["trainers"][variant]
+    with trainer.start_fit(anchor=state["snapshot"], proximal_mu=state["mu"], seed=0) as fit:
+        yield trainer, fit
 
 
 def timed_update(state: dict, variant: str) -> float:
-    prepare(state, variant)
-    try:
+    with started_fit(state, variant) as (trainer, fit):
         start = time.perf_counter()
-        state["trainer"]._update(state["batch"], num_units=state["num_units"])
+        trainer._update(fit, state["batch"], num_units=state["num_units"])
         return time.perf_counter() - start
-    finally:
-        finish(state)
 
 
 def _kib(field: str) -> int:
@@ -145,13 +121,12 @@ def memory_child(variant: str, repeats: int = 3) -> None:
     state = setup()
     rises = []
     for repeat in range(1 + repeats):
-        prepare(state, variant)
-        gc.collect()
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _kib("VmRSS")
-        state["trainer"]._update(state["batch"], num_units=state["num_units"])
-        peak = _kib("VmHWM")
-        finish(state)
+        with started_fit(state, variant) as (trainer, fit):
+            gc.collect()
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            base = _kib("VmRSS")
+            trainer._update(fit, state["batch"], num_units=state["num_units"])
+            peak = _kib("VmHWM")
         if repeat:
             rises.append((peak - base) / 1024)
     print(json.dumps({"variant": variant, "peak_rise_mib": statistics.median(rises), "rises_mib": rises}))
@@ -183,7 +158,7 @@ def main() -> None:
         return
 
     state = setup()
-    trainer = state["trainer"]
+    trainer = state["trainers"]["none"]
     variants = ["none", *args.modes]
     times = {v: [] for v in variants}
     for repeat in range(args.warmup + args.repeats):

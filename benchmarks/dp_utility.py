@@ -78,11 +78,10 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
     """One emulated federated run; ``target_epsilon`` None trains without DP, unless ``fixed_noise``
     gives the noise multiplier directly."""
     import numpy as np
-    import torch
 
     from flwr_verl.data import load_rows
     from flwr_verl.models import build_models
-    from flwr_verl.privacy import epsilon, noise_for_target_epsilon, sample_rate
+    from flwr_verl.privacy import PrivacyAccount, noise_for_target_epsilon, sample_rate
     from flwr_verl.trainer import LocalPPOTrainer
 
     private = target_epsilon is not None or fixed_noise is not None
@@ -98,11 +97,11 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
         q = sample_rate(config.data.train_batch_size, min(len(t.train_rows) for t in trainers))
         sigma = noise_for_target_epsilon(dataclasses.replace(config.privacy, target_epsilon=target_epsilon), q,
                                          args.iterations, config.actor.ppo_epochs)
-    histories = [[] for _ in trainers]
+    accounts = [PrivacyAccount(config.privacy.accountant) for _ in trainers]
     global_arrays = adapters.get_arrays()
     weights = np.array([len(t.train_rows) for t in trainers], dtype=np.float64)
     weights /= weights.sum()
-    curve = [trainers[0].evaluate(eval_rows)["reward"]]
+    curve = [trainers[0].evaluate(eval_rows).reward]
     train_reward = []
     rounds = math.ceil(args.iterations / args.local_iterations)
     start = time.perf_counter()
@@ -112,18 +111,18 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
         for pid, trainer in enumerate(trainers):
             adapters.set_arrays(global_arrays)
             result = trainer.fit(
-                iterations, anchor=[torch.as_tensor(a) for a in global_arrays], proximal_mu=args.proximal_mu,
-                privacy_history=histories[pid], noise_multiplier=sigma if private else None,
-                seed=seed + 100_003 * server_round + 7919 * pid,
+                iterations, anchor=global_arrays, proximal_mu=args.proximal_mu,
+                noise_multiplier=sigma if private else None, seed=seed + 100_003 * server_round + 7919 * pid,
             )
-            histories[pid] = result.privacy_history
+            if result.mechanism is not None:
+                accounts[pid].record(result.mechanism, result.iterations)
             updates.append([new - old for new, old in zip(adapters.get_arrays(), global_arrays)])
             rewards += [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
         global_arrays = [g + sum(w * u[i] for w, u in zip(weights, updates)) for i, g in enumerate(global_arrays)]
         adapters.set_arrays(global_arrays)
-        curve.append(trainers[0].evaluate(eval_rows)["reward"])
+        curve.append(trainers[0].evaluate(eval_rows).reward)
         train_reward.append(float(np.mean(rewards)) if rewards else math.nan)
-    spent = max(epsilon(h, config.privacy.delta) for h in histories) if private else None
+    spent = max(account.epsilon(config.privacy.delta) for account in accounts) if private else None
     return {"target_epsilon": target_epsilon, "fixed_noise": fixed_noise, "seed": seed, "noise_multiplier": sigma, "epsilon_spent": spent,
             "eval_reward_per_round": curve, "train_reward_per_round": train_reward,
             "initial_reward": curve[0], "final_reward": curve[-1], "seconds": time.perf_counter() - start}

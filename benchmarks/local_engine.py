@@ -76,13 +76,14 @@ def child(variant: str, overrides: dict, warmup: int, iterations: int) -> dict:
     trainer = LocalPPOTrainer(config, rows)
     model_rss = rss()
     trainer.fit(warmup, seed=1)
-    metrics = [m for m in trainer.fit(iterations, seed=2).metrics if m.get("prompts")]
+    with trainer.start_fit(seed=2) as fit:
+        metrics = [m for m in (trainer.iteration(fit) for _ in range(iterations)) if m.get("prompts")]
+        optimizers = [fit.update.optimizer] + ([fit.critic_optimizer] if fit.critic_optimizer else [])
+        optimizer_bytes = sum(tensor_bytes(t for s in o.state.values() for t in s.values() if torch.is_tensor(t))
+                              for o in optimizers)
 
     models = [m for m in (trainer.policy, trainer.critic) if m is not None]
     model_bytes = sum(tensor_bytes(m.parameters()) + tensor_bytes(m.buffers()) for m in models)
-    optimizers = [trainer.optimizer] + ([trainer.critic_optimizer] if trainer.critic_optimizer else [])
-    optimizer_bytes = sum(tensor_bytes(t for s in o.state.values() for t in s.values() if torch.is_tensor(t))
-                          for o in optimizers)
     adapter_bytes = tensor_bytes(p for m in models for p in m.parameters() if p.requires_grad)
     n = config.rollout.n
     return {
