@@ -24,6 +24,7 @@ import pytest
 
 from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig
 from flwr_verl.secagg import (
+    MAX_CLIENTS,
     MODULUS_RANGE,
     QUANTIZATION_RANGE,
     UpdateOutOfRange,
@@ -42,10 +43,41 @@ def test_derived_parameters_are_accepted_by_flower():
     params = derive_parameters(SecAggConfig(), DataConfig(train_size=256), num_clients=3)
     assert params.quantization_range == QUANTIZATION_RANGE < 2**31  # Flower rounds through int32
     assert params.modulus_range == MODULUS_RANGE and bin(MODULUS_RANGE).count("1") == 1
-    assert MODULUS_RANGE >= 1024 * QUANTIZATION_RANGE  # no wrap-around of a 1024-client sum
     assert params.max_weight == 512.0  # auto: twice the prompts a task generator gives a client
     assert (params.num_shares, params.reconstruction_threshold, params.clipping_range) == (3, 2, 1.0)
     SecAggPlusWorkflow(**params.workflow_kwargs())  # Flower's own checks pass
+
+
+def test_the_modulus_holds_the_largest_allowed_sum_without_wrapping():
+    """Each client's quantized entry lies in [0, Q]: the sum of k clients unmasks correctly only
+    while k * Q < modulus. MAX_CLIENTS is the largest such k, and one more client is refused."""
+    from flwr.common.secure_aggregation.quantization import quantize
+
+    top = int(quantize([np.array([1.0])], 1.0, QUANTIZATION_RANGE)[0][0])  # the largest quantized value
+    assert top == QUANTIZATION_RANGE
+    assert (MAX_CLIENTS * top) % MODULUS_RANGE == MAX_CLIENTS * top  # no wrap at the edge of the range
+    assert ((MAX_CLIENTS + 1) * top) % MODULUS_RANGE != (MAX_CLIENTS + 1) * top  # 1024 clients would wrap
+    derive_parameters(SecAggConfig(), DataConfig(), num_clients=MAX_CLIENTS)
+    with pytest.raises(ConfigError, match=rf"min-fit-clients={MAX_CLIENTS + 1} is invalid under SecAgg\+"):
+        derive_parameters(SecAggConfig(), DataConfig(), num_clients=MAX_CLIENTS + 1)
+
+
+def test_the_strategy_refuses_to_sample_more_clients_than_the_modulus_holds():
+    from flwr.common import ndarrays_to_parameters
+
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.protocol import SecAggBounds
+    from flwr_verl.strategy import FedProxAdapters
+    from tests.flower_harness import FakeClientManager
+
+    initial = [np.zeros(2, np.float32)]
+    strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3), initial,
+                               local_iterations=1, secure_aggregation=SecAggBounds(1.0, 64.0))
+    manager = FakeClientManager(range(MAX_CLIENTS + 1))
+    with pytest.raises(ConfigError, match=f"samples {MAX_CLIENTS + 1} clients"):
+        strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
+    assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), FakeClientManager(range(MAX_CLIENTS)))) \
+        == MAX_CLIENTS
 
 
 def test_rejects_more_shares_than_sampled_clients():

@@ -1,0 +1,94 @@
+"""The typed messages between server and client: what is written is what is read, and a
+malformed message is an error naming the entry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flwr_verl.privacy import IterationMechanism, PrivacyAccount
+from flwr_verl.protocol import (
+    STATUS_BUDGET,
+    STATUS_OK,
+    EvaluateReport,
+    FitConfig,
+    FitReport,
+    PrivacyReport,
+    ProtocolError,
+    SecAggBounds,
+    TrainingSummary,
+)
+
+ACCOUNT = PrivacyAccount("rdp").after(IterationMechanism(0.8, 0.05, 2), 7)
+PRIVACY = PrivacyReport(account=ACCOUNT, epsilon_total=1.5, epsilon_round=0.4, epsilon_next=1.9, epsilon_budget=8.0,
+                        noise_multiplier=0.8, delta=1e-5)
+TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.375, kl=0.01, response_length=3.5,
+                           pg_loss=-0.02, time_fit=1.0, time_rollout=0.2, time_reward=0.01, time_log_prob=0.1,
+                           time_advantage=0.001, time_update=0.5)
+
+
+@pytest.mark.parametrize("config", [
+    FitConfig(server_round=3, local_iterations=10, planned_iterations=80, proximal_mu=0.01),
+    FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0, privacy_account=ACCOUNT,
+              secagg=SecAggBounds(clipping_range=1.0, max_weight=4096.0), fail_partition=2),
+], ids=["plain", "secure-with-account"])
+def test_fit_config_round_trips_through_flowers_config(config):
+    wire = config.to_config()
+    assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
+    assert FitConfig.from_config(wire) == config
+
+
+@pytest.mark.parametrize("report", [
+    FitReport(status=STATUS_OK, partition_id=1, client_id="org-b", bytes_received=10, bytes_sent=20,
+              privacy=PRIVACY, training=TRAINING),
+    FitReport(status=STATUS_BUDGET, partition_id=0, client_id="0", bytes_received=10, bytes_sent=0, privacy=PRIVACY),
+    FitReport(status=STATUS_OK, partition_id=2, client_id="2", bytes_received=1, bytes_sent=1, training=TRAINING),
+], ids=["trained-under-dp", "refused", "trained-without-dp"])
+def test_fit_report_round_trips_through_flowers_metrics(report):
+    wire = report.to_metrics()
+    assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())
+    again = FitReport.from_metrics(wire)
+    assert again == report
+    if report.privacy is not None:
+        assert again.privacy.account.epsilon(1e-5) == pytest.approx(ACCOUNT.epsilon(1e-5))
+
+
+def test_evaluate_report_round_trips():
+    report = EvaluateReport(reward=0.5, accuracy=0.25)
+    assert EvaluateReport.from_metrics(report.to_metrics()) == report
+
+
+@pytest.mark.parametrize(("broken", "message"), [
+    ({"server_round": None}, "'server_round' is missing"),
+    ({"server_round": 1.5}, "'server_round'=1.5 must be of type int"),
+    ({"proximal_mu": "0.1"}, "'proximal_mu'='0.1' must be of type float"),
+    ({"secure": True}, "'secagg_clipping_range' is missing"),
+    ({"privacy_account": "{not json"}, "malformed privacy account"),
+])
+def test_a_malformed_fit_config_names_the_entry(broken, message):
+    wire = FitConfig(server_round=1, local_iterations=1, planned_iterations=1, proximal_mu=0.0).to_config()
+    for key, value in broken.items():
+        if value is None:
+            del wire[key]
+        else:
+            wire[key] = value
+    with pytest.raises(Exception, match=message) as error:
+        FitConfig.from_config(wire)
+    assert isinstance(error.value, (ProtocolError, ValueError))
+
+
+def test_a_report_with_an_unknown_status_or_a_bool_for_an_int_is_rejected():
+    wire = FitReport(status=STATUS_OK, partition_id=1, client_id="1", bytes_received=0, bytes_sent=0).to_metrics()
+    with pytest.raises(ProtocolError, match="'status'='done' must be one of ok, privacy_budget_exhausted"):
+        FitReport.from_metrics({**wire, "status": "done"})
+    with pytest.raises(ProtocolError, match="'partition_id'=True must be of type int"):
+        FitReport.from_metrics({**wire, "partition_id": True})
+
+
+def test_an_infinite_epsilon_survives_the_trip():
+    loud = PrivacyReport(account=PrivacyAccount("rdp", [(0.0, 0.1, 1)]), epsilon_total=math.inf,
+                         epsilon_round=math.inf, epsilon_next=math.inf, epsilon_budget=0.0, noise_multiplier=0.0,
+                         delta=1e-5)
+    report = FitReport(status=STATUS_OK, partition_id=0, client_id="0", bytes_received=0, bytes_sent=0, privacy=loud)
+    assert FitReport.from_metrics(report.to_metrics()).privacy.epsilon_total == math.inf
