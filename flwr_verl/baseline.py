@@ -8,11 +8,11 @@ pyproject.toml with ``[tool.flwr.app.config]``; ``--set key=value`` overrides, p
 own ``flwr run --run-config`` parser: values are TOML literals, so strings are quoted as in the
 example above, and a bare word such as ``algorithm.adv_estimator=rloo`` is an error) and trains
 on the union of ``--clients`` clients' data: for a task generator the ``train_size * N`` prompts
-the federation splits among N clients, for parquet files the whole files. Training runs in rounds of ``trainer.local_iterations`` iterations, each a
-``LocalPPOTrainer.fit`` (a fresh optimizer per round, as in a client's fit); privacy, when
-enabled, is accounted over all rounds. The default ``--iterations`` is
-``num-server-rounds * trainer.local_iterations * N``: as many iterations as N clients run in the
-whole federation, each on ``data.train_batch_size`` prompts.
+the federation splits among N clients, for parquet files the whole files. Training runs in rounds
+of ``trainer.local_iterations`` iterations, each a ``LocalPPOTrainer.fit`` (a fresh optimizer per
+round, as in a client's fit); privacy, when enabled, is accounted over all rounds. The default
+``--iterations`` is ``num-server-rounds * trainer.local_iterations * N``: as many iterations as N
+clients run in the whole federation, each on ``data.train_batch_size`` prompts.
 
 Every iteration prints one line and writes one JSON line; the greedy evaluation on the pooled
 validation prompts is printed (and written) before the first and after the last iteration.
@@ -152,8 +152,9 @@ def format_record(record: Record) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flwr-verl-baseline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", metavar="FILE.toml", help="run config (flat or nested TOML, or pyproject.toml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable); the value is a TOML literal as in `flwr run --run-config`: "
-                             "quote strings (--set \"algorithm.adv_estimator='rloo'\")")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one key (repeatable); the value is a TOML literal as in "
+                             "`flwr run --run-config`: quote strings (--set \"algorithm.adv_estimator='rloo'\")")
     parser.add_argument("--clients", type=int, default=1, help="train on the pooled data of this many clients")
     parser.add_argument("--iterations", type=int, help="default: num-server-rounds * local_iterations * clients")
     parser.add_argument("--output", metavar="FILE.jsonl", help="write every record as a JSON line")
