@@ -437,8 +437,8 @@ def run_flower(spec: dict, timeout: float = 600, workdir: Path | None = None) ->
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     log_text = log_path.read_text(errors="replace")
     if code != 0 or not result_path.exists():
-        raise FlowerRunError(f"Flower run {f'timed out after {timeout:.0f} s' if code is None else f'exited with {code}'}; "
-                             f"log {log_path}:\n{log_text[-6000:]}")
+        what = f"timed out after {timeout:.0f} s" if code is None else f"exited with {code}"
+        raise FlowerRunError(f"Flower run {what}; log {log_path}:\n{log_text[-6000:]}")
     with open(result_path, "rb") as handle:
         results = pickle.load(handle)
     results.update(wall_seconds=time.perf_counter() - started, killed_after=killed, leftover_pids=leftover,
