@@ -286,18 +286,19 @@ class LocalDeployment:
     def flwr_run(self, app: Path, run_config: dict | None = None, *, timeout: float = 600,
                  extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         """``flwr run <app> <connection> --stream [--run-config file]``; returns the finished CLI process."""
-        command = [flower_executable("flwr"), "run", str(app), self.connection, "--stream", *extra_args]
-        if run_config:
-            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
-                                                             run_config))]
-        return subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(self.flwr_run_command(app, run_config, extra_args), env=self.env, cwd=self.root,
+                              capture_output=True, text=True, timeout=timeout)
 
     def flwr_run_background(self, app: Path, run_config: dict | None, log: Path) -> subprocess.Popen:
-        command = [flower_executable("flwr"), "run", str(app), self.connection, "--stream"]
+        """The same ``flwr run``, started with its output going to ``log``."""
+        return _spawn(self.flwr_run_command(app, run_config), self.env, log, self.root)
+
+    def flwr_run_command(self, app: Path, run_config: dict | None, extra_args: tuple[str, ...] = ()) -> list[str]:
+        command = [flower_executable("flwr"), "run", str(app), self.connection, "--stream", *extra_args]
         if run_config:
-            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
-                                                             run_config))]
-        return _spawn(command, self.env, log, self.root)
+            path = write_run_config(self.root / f"run_config_{time.time_ns()}.toml", run_config)
+            command += ["--run-config", str(path)]
+        return command
 
     def flwr_ls(self) -> list[dict]:
         """``flwr ls <connection> --format json``: the runs the SuperLink knows, oldest first."""
