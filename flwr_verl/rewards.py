@@ -54,10 +54,10 @@ def resolve_compute_score(reward: RewardConfig, data: DataConfig) -> ComputeScor
 
 
 def _label(function: ComputeScore) -> str:
-    """``module.name``; a function loaded from a file (a module not in ``sys.modules``) names its file."""
+    """``module.name``; a function loaded from a file (a module not in ``sys.modules``) is ``file:name``."""
     module, name = getattr(function, "__module__", "?"), getattr(function, "__qualname__", repr(function))
     file = getattr(getattr(function, "__code__", None), "co_filename", None)
-    return f"{module}.{name}" if module in sys.modules or file is None else f"{name} in {file}"
+    return f"{module}.{name}" if module in sys.modules or file is None else f"{file}:{name}"
 
 
 def checked(compute_score: ComputeScore) -> ComputeScore:

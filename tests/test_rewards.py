@@ -42,7 +42,7 @@ def test_custom_function_loads_from_path_and_name(reward_file):
     score = resolve_compute_score(RewardConfig(path=str(reward_file), name="exact"), DataConfig())
     assert score.__name__ == "exact"
     assert score("any", " 42", "42") == 1.0 and score("any", "41", "42") == 0.0
-    with pytest.raises(RewardError, match=rf"reward function exact in {reward_file} on prompt"):
+    with pytest.raises(RewardError, match=rf"reward function {reward_file}:exact on prompt"):
         checked(score)("any", 42, "42", {})  # an int response: `.strip()` fails in the function
 
 
