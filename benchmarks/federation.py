@@ -39,11 +39,11 @@ sys.path.insert(0, str(REPO))
 
 from flwr.common.config import parse_config_args  # noqa: E402
 
+from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
 from flwr_verl.baseline import pooled_rows  # noqa: E402
 from flwr_verl.config import parse_run_config  # noqa: E402
 from flwr_verl.models import build_models, resolve_model_path  # noqa: E402
 from flwr_verl.trainer import LocalPPOTrainer  # noqa: E402
-from tests.flower_harness import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
 
 NUM_CLIENTS = 3
 

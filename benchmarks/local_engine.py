@@ -58,19 +58,19 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def child(variant: str, overrides: dict, warmup: int, iterations: int) -> dict:
+def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> dict:
     """One process: build, warm up, time ``iterations`` iterations; memory figures at the end."""
     start_rss = rss()
     import torch
 
-    from flwr_verl.baseline import parse_value
+    from flwr_verl.baseline import read_run_config
     from flwr_verl.config import parse_run_config
     from flwr_verl.data import load_rows
     from flwr_verl.embedded import embedded_model_path
     from flwr_verl.trainer import LocalPPOTrainer
 
     embedded_model_path()  # build the cached model now, if needed, not inside the measurement
-    config = parse_run_config({**{k: parse_value(v) for k, v in overrides.items()}, **VARIANTS[variant]}).engine
+    config = parse_run_config({**read_run_config(None, overrides), **VARIANTS[variant]}).engine
     rows = load_rows(config.data, "train", config.trainer.seed)
     imports_rss = rss()
     trainer = LocalPPOTrainer(config, rows)
@@ -142,11 +142,12 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=8, help="timed iterations per process")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="engine config override, a TOML literal as in flwr-verl-baseline --set")
     parser.add_argument("--out", type=Path, default=RESULTS / "local_engine.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = args.set  # parsed in the child, as flwr_verl.baseline parses --set
     if args.child:
         print("RESULT" + json.dumps(child(args.child, overrides, args.warmup, args.iterations)))
         return

@@ -54,7 +54,8 @@ HOST = "127.0.0.1"
 BIN = Path(sys.executable).parent
 
 
-def _exe(name: str) -> str:
+def flower_executable(name: str) -> str:
+    """The Flower command ``name`` of this interpreter's environment (else from PATH)."""
     path = BIN / name
     return str(path) if path.exists() else name
 
@@ -112,6 +113,7 @@ class SuperNode:
     flwr_home: Path
     key: NodeKey | None = None
     process: subprocess.Popen | None = None
+    log_start: int = 0  # where this start's output begins in the (appended) log
     node_config: dict = field(default_factory=dict)
 
 
@@ -183,7 +185,7 @@ class LocalDeployment:
         self.save_state()
 
     def start_superlink(self) -> None:
-        command = [_exe("flower-superlink"), "--host", HOST, "--port", str(self.port),
+        command = [flower_executable("flower-superlink"), "--host", HOST, "--port", str(self.port),
                    "--database", str(self.root / "state.db"), "--disable-runtime-dependency-installation"]
         if self.tls:
             command += ["--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
@@ -194,8 +196,7 @@ class LocalDeployment:
             command += ["--enable-supernode-auth"]
         self._record(command, f"FLWR_HOME={self.flwr_home}")
         self.superlink = _spawn(command, self.env, self.superlink_log, self.root)
-        if not _wait_log(self.superlink, self.superlink_log, "Uvicorn running on", 60):
-            raise RuntimeError(f"the SuperLink did not start; see {self.superlink_log}:\n{_tail(self.superlink_log)}")
+        wait_for_line(self.superlink, self.superlink_log, "Uvicorn running on", 60, what="the SuperLink to start")
 
     def write_connection(self) -> None:
         lines = ["[superlink]", f'default = "{self.connection}"', "", f"[superlink.{self.connection}]",
@@ -204,7 +205,7 @@ class LocalDeployment:
         (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
     def register(self, key: NodeKey) -> None:
-        command = [_exe("flwr"), "supernode", "register", str(key.public_key), self.connection]
+        command = [flower_executable("flwr"), "supernode", "register", str(key.public_key), self.connection]
         self._record(command, f"FLWR_HOME={self.flwr_home}")
         done = subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
@@ -217,8 +218,8 @@ class LocalDeployment:
         node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in node.node_config.items())
         insecure = (not self.tls) if insecure is None else insecure
         tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates or self.certs.ca_cert)]
-        command = [_exe("flower-supernode"), *tls, "--superlink", self.address, "--node-config", node_config,
-                   "--host", HOST, "--port", str(port or node.port)]
+        command = [flower_executable("flower-supernode"), *tls, "--superlink", self.address,
+                   "--node-config", node_config, "--host", HOST, "--port", str(port or node.port)]
         key = key or (node.key.private_key if node.key else None)
         if key:
             command += ["--auth-supernode-private-key", str(key)]
@@ -229,14 +230,15 @@ class LocalDeployment:
         node.flwr_home.mkdir(parents=True, exist_ok=True)
         command = command or self.supernode_command(index)
         self._record(command, f"FLWR_HOME={node.flwr_home}")
+        node.log_start = node.log.stat().st_size if node.log.exists() else 0  # the log is appended to
         node.process = _spawn(command, base_env(node.flwr_home, str(self.root)), node.log, node.flwr_home.parent,
                               append=True)
         return node.process
 
     def wait_supernode(self, index: int, timeout: float = 60) -> None:
         node = self.supernodes[index]
-        if not _wait_log(node.process, node.log, "SuperNode ID:", timeout):
-            raise RuntimeError(f"SuperNode {index} did not connect; see {node.log}:\n{_tail(node.log)}")
+        wait_for_line(node.process, node.log, "SuperNode ID:", timeout, what=f"SuperNode {index} to connect",
+                      start=node.log_start)
 
     def kill_supernode(self, index: int, graceful: bool = True) -> None:
         """Kill a SuperNode and everything it spawned (SuperExec, a running ClientApp).
@@ -284,23 +286,24 @@ class LocalDeployment:
     def flwr_run(self, app: Path, run_config: dict | None = None, *, timeout: float = 600,
                  extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         """``flwr run <app> <connection> --stream [--run-config file]``; returns the finished CLI process."""
-        command = [_exe("flwr"), "run", str(app), self.connection, "--stream", *extra_args]
-        if run_config:
-            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
-                                                             run_config))]
-        return subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(self.flwr_run_command(app, run_config, extra_args), env=self.env, cwd=self.root,
+                              capture_output=True, text=True, timeout=timeout)
 
     def flwr_run_background(self, app: Path, run_config: dict | None, log: Path) -> subprocess.Popen:
-        command = [_exe("flwr"), "run", str(app), self.connection, "--stream"]
+        """The same ``flwr run``, started with its output going to ``log``."""
+        return _spawn(self.flwr_run_command(app, run_config), self.env, log, self.root)
+
+    def flwr_run_command(self, app: Path, run_config: dict | None, extra_args: tuple[str, ...] = ()) -> list[str]:
+        command = [flower_executable("flwr"), "run", str(app), self.connection, "--stream", *extra_args]
         if run_config:
-            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
-                                                             run_config))]
-        return _spawn(command, self.env, log, self.root)
+            path = write_run_config(self.root / f"run_config_{time.time_ns()}.toml", run_config)
+            command += ["--run-config", str(path)]
+        return command
 
     def flwr_ls(self) -> list[dict]:
         """``flwr ls <connection> --format json``: the runs the SuperLink knows, oldest first."""
-        done = subprocess.run([_exe("flwr"), "ls", self.connection, "--format", "json"], env=self.env, cwd=self.root,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run([flower_executable("flwr"), "ls", self.connection, "--format", "json"], env=self.env,
+                              cwd=self.root, capture_output=True, text=True, timeout=60)
         try:
             runs = json.loads(done.stdout).get("runs", [])
         except json.JSONDecodeError:
@@ -361,16 +364,32 @@ def _tail(path: Path, lines: int = 30) -> str:
     return ""
 
 
-def _wait_log(process: subprocess.Popen, log: Path, needle: str, timeout: float) -> bool:
+def wait_for_line(process: subprocess.Popen, log: Path, needle: str, timeout: float, what: str,
+                  start: int = 0) -> None:
+    """Follow ``log`` from byte ``start`` as ``process`` writes it (``tail -f``) until ``needle`` appears.
+
+    The processes write to files, not pipes, because they outlive ``deploy/launch.py up``; so this
+    reads what is new every 50 ms. ``start`` skips what an earlier run of the same process wrote to
+    an appended log. Raises ``RuntimeError`` naming ``what`` was awaited, with the end of the log,
+    when the process exits first or ``timeout`` seconds pass.
+    """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            if needle in log.read_text(errors="replace"):
-                return True
-        if process.poll() is not None:
-            return False
-        time.sleep(0.2)
-    return False
+    seen = ""
+    with open(log, "rb") as handle:
+        handle.seek(start)
+        while True:
+            exited = process.poll() is not None  # before reading: a line written just before exit counts
+            seen += handle.read().decode(errors="replace")
+            if needle in seen:
+                return
+            if exited:
+                problem = f"the process exited with code {process.returncode}"
+            elif time.monotonic() > deadline:
+                problem = f"no {needle!r} after {timeout:.0f} s"
+            else:
+                time.sleep(0.05)
+                continue
+            raise RuntimeError(f"waiting for {what}: {problem}; see {log}:\n{_tail(log)}")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -23,6 +23,8 @@ with warnings.catch_warnings():
     from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
     from verl.utils import torch_functional as verl_F
+    from verl.utils.import_utils import load_extern_object
+    from verl.utils.model import compute_position_id_with_mask
     from verl.utils.reward_score import default_compute_score
     from verl.workers.config import ActorConfig as VerlActorConfig
     from verl.workers.reward_manager import NaiveRewardManager
@@ -40,6 +42,8 @@ __all__ = [
     "compute_advantage",
     "compute_response_mask",
     "core_algos",
+    "compute_position_id_with_mask",
     "default_compute_score",
+    "load_extern_object",
     "verl_F",
 ]

@@ -1,17 +1,18 @@
 """The centralized baseline: the local RL engine alone, no federation, on pooled data.
 
     flwr-verl-baseline --clients 3 --iterations 240 --output baseline.jsonl
-    flwr-verl-baseline --run-config my-profile.toml --set actor.lr=5e-4 --set algorithm.adv_estimator=rloo
+    flwr-verl-baseline --run-config my-profile.toml --set actor.lr=5e-4 --set "algorithm.adv_estimator='rloo'"
 
 It reads the same run config as the Flower app (a flat or nested TOML of the app's keys, or a
-pyproject.toml with ``[tool.flwr.app.config]``; ``--set key=value`` overrides, values as TOML
-literals, a bare word as a string) and trains on the union of ``--clients`` clients' data: for a
-task generator the ``train_size * N`` prompts the federation splits among N clients, for parquet
-files the whole files. Training runs in rounds of ``trainer.local_iterations`` iterations, each a
-``LocalPPOTrainer.fit`` (a fresh optimizer per round, as in a client's fit); privacy, when
-enabled, is accounted over all rounds. The default ``--iterations`` is
-``num-server-rounds * trainer.local_iterations * N``: as many iterations as N clients run in the
-whole federation, each on ``data.train_batch_size`` prompts.
+pyproject.toml with ``[tool.flwr.app.config]``; ``--set key=value`` overrides, parsed by Flower's
+own ``flwr run --run-config`` parser: values are TOML literals, so strings are quoted as in the
+example above, and a bare word such as ``algorithm.adv_estimator=rloo`` is an error) and trains
+on the union of ``--clients`` clients' data: for a task generator the ``train_size * N`` prompts
+the federation splits among N clients, for parquet files the whole files. Training runs in rounds
+of ``trainer.local_iterations`` iterations, each a ``LocalPPOTrainer.fit`` (a fresh optimizer per
+round, as in a client's fit); privacy, when enabled, is accounted over all rounds. The default
+``--iterations`` is ``num-server-rounds * trainer.local_iterations * N``: as many iterations as N
+clients run in the whole federation, each on ``data.train_batch_size`` prompts.
 
 Every iteration prints one line and writes one JSON line; the greedy evaluation on the pooled
 validation prompts is printed (and written) before the first and after the last iteration.
@@ -31,7 +32,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from flwr.common.config import flatten_dict
+import click
+from flwr.common.config import flatten_dict, parse_config_args
 
 from flwr_verl.config import ConfigError, EngineConfig, parse_run_config
 from flwr_verl.data import DataError, Row, load_rows
@@ -44,12 +46,22 @@ Record = dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- run config
-def parse_value(text: str) -> Any:
-    """A TOML literal (``3``, ``1e-3``, ``true``, ``"gae"``); anything else is taken as a string."""
-    try:
-        return tomllib.loads(f"value = {text.strip()}")["value"]
-    except tomllib.TOMLDecodeError:
-        return text.strip()
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``key=value`` items, each parsed as ``flwr run --run-config`` parses it (so a value means
+    the same here as in the federation): a TOML literal, ``3``, ``1e-3``, ``true``, ``"gae"``."""
+    values: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:  # Flower would read a lone "x.toml" as a file and ignore anything else
+            raise ConfigError(f"--set {item!r} is invalid: expected key=value")
+        try:
+            parsed = parse_config_args([item])
+        except (click.ClickException, OSError) as error:
+            raise ConfigError(f"--set {item!r} is invalid: the value must be a TOML literal "
+                              f"(a number, true/false, or a quoted string: key='text')") from error
+        if not parsed:  # Flower's pattern found no key=value pair, e.g. spaces around "="
+            raise ConfigError(f"--set {item!r} is invalid: expected key=value, no spaces around '='")
+        values.update(parsed)
+    return values
 
 
 def read_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
@@ -59,12 +71,7 @@ def read_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
         with open(path, "rb") as handle:
             document = tomllib.load(handle)
         values = flatten_dict(document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r} is invalid: expected key=value")
-        values[key.strip()] = parse_value(text)
-    return values
+    return {**values, **parse_overrides(overrides)}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -148,7 +155,9 @@ def format_record(record: Record) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flwr-verl-baseline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", metavar="FILE.toml", help="run config (flat or nested TOML, or pyproject.toml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one key (repeatable); the value is a TOML literal as in "
+                             "`flwr run --run-config`: quote strings (--set \"algorithm.adv_estimator='rloo'\")")
     parser.add_argument("--clients", type=int, default=1, help="train on the pooled data of this many clients")
     parser.add_argument("--iterations", type=int, help="default: num-server-rounds * local_iterations * clients")
     parser.add_argument("--output", metavar="FILE.jsonl", help="write every record as a JSON line")

@@ -11,13 +11,12 @@ run with a ``RewardError`` naming the function and the prompt. It is never turne
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
-from pathlib import Path
+import sys
 from typing import Any, Callable
 
-from flwr_verl._verl import NaiveRewardManager, default_compute_score
+from flwr_verl._verl import NaiveRewardManager, default_compute_score, load_extern_object
 from flwr_verl.config import DataConfig, FlwrVerlError, RewardConfig
 from flwr_verl.data import task_compute_score
 
@@ -30,19 +29,19 @@ class RewardError(FlwrVerlError, RuntimeError):
 
 
 def load_function(path: str, name: str) -> ComputeScore:
-    """``name`` from the Python file at ``path`` (verl's custom_reward_function)."""
-    file = Path(path)
-    if not file.is_file():
-        raise RewardError(f"custom_reward_function.path={path!r}: file not found")
-    spec = importlib.util.spec_from_file_location(f"flwr_verl_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
+    """``name`` from the Python file at ``path``, loaded by verl's ``load_extern_object`` (what verl's
+    own ``custom_reward_function`` uses), its errors restated with the config key that caused them."""
     try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        raise RewardError(f"custom_reward_function.path={path!r} failed to import: {error!r}") from error
-    function = getattr(module, name, None)
+        function = load_extern_object(path, name)
+    except FileNotFoundError as error:
+        raise RewardError(f"custom_reward_function.path={path!r}: file not found") from error
+    except AttributeError as error:  # raised only by the lookup: verl wraps errors of the import itself
+        raise RewardError(f"custom_reward_function.name={name!r}: no such function in {path}") from error
+    except Exception as error:  # verl raises RuntimeError from the file's own exception
+        raise RewardError(f"custom_reward_function.path={path!r} failed to import: {error.__cause__ or error!r}"
+                          ) from error
     if not callable(function):
-        raise RewardError(f"custom_reward_function.name={name!r}: no such function in {path}")
+        raise RewardError(f"custom_reward_function.name={name!r}: {type(function).__name__} in {path}, not a function")
     return function
 
 
@@ -54,9 +53,16 @@ def resolve_compute_score(reward: RewardConfig, data: DataConfig) -> ComputeScor
     return default_compute_score
 
 
+def _label(function: ComputeScore) -> str:
+    """``module.name``; a function loaded from a file (a module not in ``sys.modules``) is ``file:name``."""
+    module, name = getattr(function, "__module__", "?"), getattr(function, "__qualname__", repr(function))
+    file = getattr(getattr(function, "__code__", None), "co_filename", None)
+    return f"{module}.{name}" if module in sys.modules or file is None else f"{file}:{name}"
+
+
 def checked(compute_score: ComputeScore) -> ComputeScore:
     """Wrap ``compute_score`` so that failures and non-numbers raise a clear ``RewardError``."""
-    label = f"{getattr(compute_score, '__module__', '?')}.{getattr(compute_score, '__qualname__', compute_score)}"
+    label = _label(compute_score)
 
     def checked_compute_score(data_source, solution_str, ground_truth, extra_info=None):
         extra_info = extra_info or {}

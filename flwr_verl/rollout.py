@@ -19,17 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flwr_verl._verl import DataProto, compute_response_mask
+from flwr_verl._verl import DataProto, compute_position_id_with_mask, compute_response_mask, verl_F
 from flwr_verl.config import RolloutConfig
 from flwr_verl.data import Row, prompt_text
 from flwr_verl.rewards import PROMPT_KEY
-
-
-def first_eos_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for every token up to and including the first EOS, 0 after it (shape of ``responses``)."""
-    is_eos = (responses == eos_token_id).long()
-    eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before each position
-    return (eos_before == 0).long()
 
 
 @torch.no_grad()
@@ -66,11 +59,12 @@ def generate(
     responses = output[:, prompt_ids.shape[1]:]
     pad = config.response_length - responses.shape[1]  # generation may stop early for all rows
     responses = torch.nn.functional.pad(responses, (0, pad), value=tokenizer.pad_token_id)
-    response_mask = first_eos_mask(responses, tokenizer.eos_token_id)
+    # verl's mask: 1 up to and including the first EOS, 0 after it
+    response_mask = verl_F.get_response_mask(responses, eos_token=tokenizer.eos_token_id, dtype=prompt_mask.dtype)
     responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
 
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+    position_ids = compute_position_id_with_mask(attention_mask)
     repeated = [row for row in rows for _ in range(n)]
     batch = DataProto.from_single_dict({
         "prompts": prompt_ids,

@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from flwr.app import Context, Message, RecordDict
-from flwr.common import ConfigRecord
+from flwr.app import DEFAULT_TTL, Context, Message, MessageType, Metadata, RecordDict
+from flwr.common import FitIns, ndarrays_to_parameters
+from flwr.common.config import flatten_dict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.compat.common.recorddict_compat import fitins_to_recorddict
 
 from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, ModelConfig, parse_run_config
 from flwr_verl.data import DataError, load_rows
 from flwr_verl.models import AdapterShapeError, ModelLoadError, build_models
-from flwr_verl.mods import ConciseErrors, concise_errors
+from flwr_verl.mods import ConciseErrors
 from flwr_verl.rewards import RewardError
+from tests.conftest import TINY
 from tests.flower_harness import REPO, local_deployment, run_directories
 
 GOOD_ROW = {"data_source": "toy", "prompt": [{"role": "user", "content": "1+1="}],
@@ -157,26 +162,30 @@ def test_parameters_of_another_model_name_expected_and_received_shapes(client):
     assert all(np.array_equal(a, b) for a, b in zip(client.adapters.get_arrays(), before))  # nothing trained
 
 
-def incoming_message(monkeypatch) -> Message:
-    from flwr.supercore.task_identity import TaskIdentity
+def incoming_train_message(arrays: list[np.ndarray]) -> Message:
+    """A legacy fit instruction as a SuperNode hands it to the ClientApp: content and full metadata
+    (what Flower builds from the wire; an instruction built in-process would need a running task)."""
+    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), {}), keep_input=True)
+    metadata = Metadata(run_id=7, message_id="instruction-1", src_node_id=SUPERLINK_NODE_ID, dst_node_id=3,
+                        reply_to_message_id="", group_id="1", created_at=time.time(), ttl=DEFAULT_TTL,
+                        message_type=MessageType.TRAIN)
+    return Message(content, metadata=metadata)
 
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1)
-    return Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1, message_type="train")
 
+def test_client_errors_reach_the_server_as_one_line():
+    """The real ClientApp (its mods included) answers a fit with wrong-shaped parameters with a
+    one-line error reply, addressed back to the sender of the instruction."""
+    from apps.client_app import app
 
-def test_client_errors_reach_the_server_as_one_line(client, monkeypatch):
-    """What the ClientApp's outermost mod does with any error: a one-line error reply."""
-    message = incoming_message(monkeypatch)
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
-
-    def fit(msg, ctx):
-        client.fit([np.zeros((2, 2), np.float32)], {})
-
-    reply = concise_errors(message, context, fit)
-    assert reply.has_error()
+    context = Context(run_id=7, node_id=3, node_config={"partition-id": 1, "num-partitions": 2},
+                      state=RecordDict(), run_config=flatten_dict(TINY))
+    reply = app(incoming_train_message([np.zeros((2, 2), np.float32)]), context)
+    assert reply.has_error() and not reply.has_content()
+    assert reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     reason = reply.error.reason
-    assert reason.startswith("partition 1: AdapterShapeError: expected") and "\n" not in reason
+    assert reason.startswith("partition 1: AdapterShapeError: expected") and "\n" not in reason, reason
+    assert (reply.metadata.reply_to_message_id, reply.metadata.src_node_id, reply.metadata.dst_node_id,
+            reply.metadata.run_id, reply.metadata.message_type) == ("instruction-1", 3, SUPERLINK_NODE_ID, 7, "train")
 
 
 def test_user_errors_are_logged_without_a_traceback():

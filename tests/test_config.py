@@ -88,17 +88,20 @@ def test_baseline_overrides_are_toml_literals():
     from flwr_verl.baseline import read_run_config
 
     values = read_run_config(None, ["rollout.n=8", "actor.lr=1e-4", "privacy.enabled=false",
-                                    "algorithm.adv_estimator='rloo'", "model.path=/models/x", "data.task = arithmetic"])
+                                    "algorithm.adv_estimator='rloo'", 'model.path="/models/x y"'])
     assert values == {"rollout.n": 8, "actor.lr": 1e-4, "privacy.enabled": False, "algorithm.adv_estimator": "rloo",
-                      "model.path": "/models/x", "data.task": "arithmetic"}
-    with pytest.raises(ConfigError, match="expected key=value"):
-        read_run_config(None, ["rollout.n"])
+                      "model.path": "/models/x y"}
+    for item in ("rollout.n", "data.task = 'arithmetic'"):
+        with pytest.raises(ConfigError, match="expected key=value"):
+            read_run_config(None, [item])
+    with pytest.raises(ConfigError, match=r"'data\.task=arithmetic' is invalid: the value must be a TOML literal"):
+        read_run_config(None, ["data.task=arithmetic"])  # as in `flwr run --run-config`: strings are quoted
 
 
 def test_baseline_command_rejects_bad_config_before_loading(capsys):
     from flwr_verl.baseline import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--set", "algorithm.adv_estimator=ppo2"])
+        main(["--set", "algorithm.adv_estimator='ppo2'"])
     assert exit_.value.code == 2
     assert "algorithm.adv_estimator='ppo2' is invalid" in capsys.readouterr().err

@@ -308,7 +308,7 @@ def test_baseline_command_reads_nested_toml_and_overrides(tmp_path, capsys):
         '[trainer]\nlocal_iterations = 2\n'
     )
     output = tmp_path / "out" / "baseline.jsonl"
-    code = main(["--run-config", str(profile), "--set", "rollout.n=3", "--set", "algorithm.adv_estimator=rloo",
+    code = main(["--run-config", str(profile), "--set", "rollout.n=3", "--set", "algorithm.adv_estimator='rloo'",
                  "--clients", "2", "--output", str(output)])
     assert code == 0
     records = [json.loads(line) for line in output.read_text().splitlines()]

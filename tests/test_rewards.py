@@ -12,7 +12,7 @@ from flwr_verl._verl import default_compute_score
 from flwr_verl.config import DataConfig, RewardConfig
 from flwr_verl.data import load_rows
 from flwr_verl.models import build_models
-from flwr_verl.rewards import RewardError, load_function, resolve_compute_score
+from flwr_verl.rewards import RewardError, checked, load_function, resolve_compute_score
 from flwr_verl.trainer import LocalPPOTrainer
 
 REWARD_FILE = '''
@@ -42,6 +42,8 @@ def test_custom_function_loads_from_path_and_name(reward_file):
     score = resolve_compute_score(RewardConfig(path=str(reward_file), name="exact"), DataConfig())
     assert score.__name__ == "exact"
     assert score("any", " 42", "42") == 1.0 and score("any", "41", "42") == 0.0
+    with pytest.raises(RewardError, match=rf"reward function {reward_file}:exact on prompt"):
+        checked(score)("any", 42, "42", {})  # an int response: `.strip()` fails in the function
 
 
 def test_default_scorers():
@@ -49,12 +51,18 @@ def test_default_scorers():
     assert resolve_compute_score(RewardConfig(), DataConfig(train_files="x.parquet")) is default_compute_score
 
 
-def test_missing_function_or_broken_file_is_a_reward_error(reward_file, tmp_path):
-    with pytest.raises(RewardError, match="name='nope'"):
+def test_missing_file_function_or_broken_file_is_a_reward_error(reward_file, tmp_path):
+    missing = tmp_path / "absent.py"
+    with pytest.raises(RewardError, match=rf"custom_reward_function\.path='{missing}': file not found"):
+        load_function(str(missing), "exact")
+    with pytest.raises(RewardError, match=rf"custom_reward_function\.name='nope': no such function in {reward_file}"):
         load_function(str(reward_file), "nope")
+    with pytest.raises(RewardError, match=r"name='REWARD': str in .*, not a function"):
+        reward_file.write_text(REWARD_FILE + 'REWARD = "not callable"\n')
+        load_function(str(reward_file), "REWARD")
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_xyz\n")
-    with pytest.raises(RewardError, match="failed to import"):
+    with pytest.raises(RewardError, match=r"failed to import: ModuleNotFoundError\(.*no_such_module_xyz"):
         load_function(str(broken), "compute_score")
 
 

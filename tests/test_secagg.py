@@ -3,8 +3,8 @@
 The slow tests run one Flower simulation (``flwr.simulation.run_simulation``: Ray backend, 3
 supernodes, Flower's ``secaggplus_mod`` on the ClientApp through the project's
 ``secaggplus_when_requested``, ``SecAggPlusWorkflow`` in a ServerApp with a ``FedProxAdapters``
-strategy) in a child process, through the machinery of
-``benchmarks/secagg_overhead.py``. Each client returns a fixed update seeded by its partition id
+strategy) in a child process, through ``benchmarks/secagg_harness.py`` with the spec of
+``benchmarks/secagg_precision.py``. Each client returns a fixed update seeded by its partition id
 (a LoRA-sized adapter, 29k parameters, |update| < 0.5; 96, 256 and 480 examples, max-weight
 500), and the same updates go through plain aggregation and SecAgg+, as deltas and as full
 weights, in float32 and float64, one round per configuration. Ray binds to 127.0.0.1 only and
@@ -14,10 +14,10 @@ everything it started is killed afterwards (both are checked).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import ipaddress
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -139,29 +139,32 @@ def test_exact_update_is_float64_and_exact_for_float32_weights():
 
 
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
-def _benchmark_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "secagg_overhead.py"
-    spec = importlib.util.spec_from_file_location("secagg_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("secagg_overhead", module)
-    spec.loader.exec_module(module)
-    return module
+def _benchmark_modules():
+    """``secagg_harness`` and ``secagg_precision``, imported as the benchmark scripts import them
+    (top-level modules from ``benchmarks/``: Opacus's own ``benchmarks`` package shadows the folder)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import secagg_harness
+    import secagg_precision
+
+    return secagg_harness, secagg_precision
 
 
 @pytest.fixture(scope="module")
 def flower(tmp_path_factory):
-    bench = _benchmark_module()
-    spec = bench.precision_spec()
-    results = bench.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("secagg"))
+    harness, precision = _benchmark_modules()
+    spec = precision.precision_spec()
+    results = harness.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("secagg"))
     phases = {p["name"]: p for p in results["phases"]}
     for name, phase in phases.items():
         assert phase["aggregated_rounds"] == 1, f"{name}: not aggregated; {phase['failures']}\n{results['log'][-4000:]}"
-    report = bench.precision_report(results, spec)
+    report = precision.precision_report(results, spec)
     print("\nSecAgg+ precision (max / rms abs error vs exact FedAvg):")
     for name, entry in report.items():
         print(f"  {name:<24} C={entry['clipping_range']!s:<5} max {entry['error_vs_exact_fedavg']:.3e}  "
               f"rms {entry['rms_error_vs_exact_fedavg']:.3e}")
-    return bench, spec, results, phases, report
+    return SimpleNamespace(harness=harness, precision=precision), spec, results, phases, report
 
 
 def _bound(spec: dict, workflow: dict) -> float:
@@ -176,9 +179,9 @@ def _bound(spec: dict, workflow: dict) -> float:
 @pytest.mark.slow
 def test_secure_aggregate_matches_plain_aggregation(flower):
     bench, spec, _, phases, report = flower
-    workflow = bench.secagg_kwargs()
+    workflow = bench.harness.secagg_kwargs()
     secure, plain = phases["secagg_delta_f64"]["weights"], phases["plain_delta_f64"]["weights"]
-    difference = bench.max_abs_diff(secure, plain)
+    difference = bench.precision.max_abs_diff(secure, plain)
     assert difference <= _bound(spec, workflow) < TARGET, difference
     assert report["plain_delta_f64"]["error_vs_exact_fedavg"] < 1e-12
     assert report["secagg_delta_f64"]["error_vs_exact_fedavg"] <= TARGET
@@ -189,13 +192,13 @@ def test_secure_aggregate_matches_plain_aggregation(flower):
 @pytest.mark.slow
 def test_plain_and_secure_runs_aggregate_the_same_client_updates(flower):
     bench, spec, _, phases, _ = flower
-    initial = bench.initial_arrays(spec)
+    initial = bench.harness.initial_arrays(spec)
     for dtype, short in (("float32", "f32"), ("float64", "f64")):
         received = phases[f"plain_delta_{short}"]["received"]
         for num_examples, metrics, arrays in received:
             pid = int(metrics["partition_id"])
             assert num_examples == spec["num_examples"][pid]
-            expected = bench.client_output(spec, pid, initial, "delta", dtype)
+            expected = bench.harness.client_output(spec, pid, initial, "delta", dtype)
             assert all(a.dtype == np.dtype(dtype) and np.array_equal(a, e) for a, e in zip(arrays, expected))
 
 
@@ -222,10 +225,10 @@ def test_server_only_sees_the_aggregate(flower, name):
     assert seen == {pid: (n, 1000 + pid) for pid, n in enumerate(spec["num_examples"])}
     # no FitRes equals any single client's update: it differs by far more than quantization error
     phase = next(p for p in spec["phases"] if p["name"] == name)
-    initial = bench.initial_arrays(spec)
+    initial = bench.harness.initial_arrays(spec)
     for pid in range(3):
-        own = bench.client_output(spec, pid, initial, phase["format"], phase["dtype"])
-        assert bench.max_abs_diff(aggregate, own) > 0.1
+        own = bench.harness.client_output(spec, pid, initial, phase["format"], phase["dtype"])
+        assert bench.precision.max_abs_diff(aggregate, own) > 0.1
         mean_gap = np.mean(np.concatenate([np.abs(a - b).ravel() for a, b in zip(aggregate, own)]))
         assert mean_gap > 1e6 * _bound(spec, phase["secagg"])
 
