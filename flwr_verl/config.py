@@ -226,11 +226,11 @@ class PrivacyConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
         require(self.noise_multiplier > 0 or not self.enabled or self.target_epsilon > 0,
                 "privacy.noise_multiplier", self.noise_multiplier,
                 "must be > 0 under privacy.enabled=true (no noise means epsilon = infinity; "
                 "set privacy.enabled=false to train without DP)")
-        require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
         require(self.max_grad_norm > 0, "privacy.max_grad_norm", self.max_grad_norm, "must be > 0")
         require(0 < self.delta < 1, "privacy.delta", self.delta, "must be in (0, 1)")
         require(self.accountant in ("rdp", "prv"), "privacy.accountant", self.accountant, "allowed: rdp, prv")

@@ -26,6 +26,7 @@ from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, ModelConfig
 from flwr_verl.data import DataError, load_rows
 from flwr_verl.models import AdapterShapeError, ModelLoadError, build_models
 from flwr_verl.mods import ConciseErrors
+from flwr_verl.protocol import FitConfig
 from flwr_verl.rewards import RewardError
 from tests.conftest import TINY
 from tests.flower_harness import REPO, local_deployment, run_directories
@@ -146,17 +147,20 @@ def client(tiny_config, rows):
     return VerlClient(tiny_config(), *rows, partition_id=1)
 
 
+FIT_CONFIG = FitConfig(server_round=1, local_iterations=1, planned_iterations=1, proximal_mu=0.0).to_config()
+
+
 def test_parameters_of_another_model_name_expected_and_received_shapes(client):
     rank4 = build_models(ModelConfig(lora_rank=4), with_critic=False).adapters.get_arrays()
     expected = client.adapters.get_arrays()
     before = [a.copy() for a in expected]
     with pytest.raises(AdapterShapeError) as error:
-        client.fit(rank4, {})
+        client.fit(rank4, FIT_CONFIG)
     message = str(error.value)
     assert f"expected shape {expected[0].shape}" in message and f"received {rank4[0].shape}" in message
     with pytest.raises(AdapterShapeError, match=rf"expected {len(expected)} adapter arrays .* received "
                                                 rf"{len(expected) - 1}"):
-        client.fit(expected[:-1], {})
+        client.fit(expected[:-1], FIT_CONFIG)
     with pytest.raises(AdapterShapeError):
         client.evaluate(rank4, {})
     assert all(np.array_equal(a, b) for a, b in zip(client.adapters.get_arrays(), before))  # nothing trained
@@ -165,7 +169,7 @@ def test_parameters_of_another_model_name_expected_and_received_shapes(client):
 def incoming_train_message(arrays: list[np.ndarray]) -> Message:
     """A legacy fit instruction as a SuperNode hands it to the ClientApp: content and full metadata
     (what Flower builds from the wire; an instruction built in-process would need a running task)."""
-    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), {}), keep_input=True)
+    content = fitins_to_recorddict(FitIns(ndarrays_to_parameters(arrays), FIT_CONFIG), keep_input=True)
     metadata = Metadata(run_id=7, message_id="instruction-1", src_node_id=SUPERLINK_NODE_ID, dst_node_id=3,
                         reply_to_message_id="", group_id="1", created_at=time.time(), ttl=DEFAULT_TTL,
                         message_type=MessageType.TRAIN)

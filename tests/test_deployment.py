@@ -19,7 +19,7 @@ import pytest
 from deploy.certs import make_node_key, make_tls
 from deploy.launch import base_env, free_port, kill_processes_with_env
 from flwr_verl.config import parse_run_config
-from flwr_verl.privacy import epsilon, record_iterations, sample_rate
+from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
 from tests.flower_harness import (
     REPO,
     SMALL_RUN,
@@ -43,9 +43,9 @@ def budget_for_two_rounds() -> float:
     """An epsilon budget that SMALL_RUN's clients can spend in 2 rounds but not in 3."""
     engine = parse_run_config(SMALL_RUN).engine
     q = sample_rate(engine.data.train_batch_size, engine.data.train_size)
-    per_round = engine.trainer.local_iterations
-    two, three = (epsilon(record_iterations([], engine.privacy.noise_multiplier, engine.actor.ppo_epochs, q,
-                                            k * per_round), engine.privacy.delta) for k in (2, 3))
+    mechanism = IterationMechanism(engine.privacy.noise_multiplier, q, engine.actor.ppo_epochs)
+    two, three = (PrivacyAccount().after(mechanism, k * engine.trainer.local_iterations).epsilon(engine.privacy.delta)
+                  for k in (2, 3))
     return (two + three) / 2
 
 
@@ -79,7 +79,9 @@ def test_the_federation_is_tls_with_supernode_auth(deployment):
 def test_every_round_is_recorded_with_epsilon(deployed_run):
     run_dir, _, _ = deployed_run
     rounds = records(run_dir)
-    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["round"] for r in rounds] == [0, 1, 2]  # round 0: the initial adapter, evaluated before training
+    assert 0 <= rounds[0]["evaluate"]["accuracy"] <= 1 and "fit" not in rounds[0]
+    rounds = rounds[1:]
     for record in rounds:
         assert record["fit"]["num_clients"] == 3 and record["clients"] == [0, 1, 2]
         assert record["fit"]["epsilon_total"] > 0
@@ -106,7 +108,7 @@ def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
     assert "stopping after round 2" in log and "[ROUND 3]" in log and "round 3: reward" not in log
     assert tree_digest(run_dir / "adapters" / "final") == tree_digest(run_dir / "adapters" / "round-0002")
     budget = budget_for_two_rounds()
-    assert all(r["fit"]["epsilon_total"] <= budget for r in records(run_dir))
+    assert all(r["fit"]["epsilon_total"] <= budget for r in records(run_dir) if "fit" in r)
 
 
 def refused(deployment, command: list[str], tmp_path, name: str) -> str:

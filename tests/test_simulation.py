@@ -33,7 +33,9 @@ def simulation_run(tmp_path_factory):
 def test_every_round_is_recorded_with_epsilon(simulation_run):
     run_dir, _ = simulation_run
     rounds = records(run_dir)
-    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["round"] for r in rounds] == [0, 1, 2]  # round 0: the initial adapter, evaluated before training
+    assert 0 <= rounds[0]["evaluate"]["accuracy"] <= 1 and "fit" not in rounds[0]
+    rounds = rounds[1:]
     for record in rounds:
         assert record["fit"]["num_clients"] == 3
         assert record["fit"]["epsilon_total"] > 0
