@@ -45,7 +45,8 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
     train, val = load_rows(config.data, "train", 0), load_rows(config.data, "val", 0)
     clients = [VerlClient(config, train, val, partition_id=i) for i in range(2)]
     initial = clients[0].adapters.get_arrays()
-    strategy = FedProxAdapters(FederationConfig(min_fit_clients=2, proximal_mu=0.01, secagg=SecAggConfig(enabled=False)),
+    strategy = FedProxAdapters(FederationConfig(min_fit_clients=2, min_available_clients=2, proximal_mu=0.01,
+                                                secagg=SecAggConfig(enabled=False)),
                                initial, local_iterations=2, secure_aggregation=SecAggBounds(1.0, 1024.0))
     failures: list[str] = []
     policy = clients[0].trainer.policy
@@ -101,6 +102,9 @@ class _Clients:
 
     def num_available(self) -> int:
         return len(self.clients)
+
+    def wait_for(self, num_clients: int, timeout: float) -> bool:
+        return len(self.clients) >= num_clients
 
     def all(self) -> dict:
         return {c.cid: c for c in self.clients}

@@ -22,7 +22,9 @@ What a client refuses to send, and says why (each a ``FlwrVerlError`` that the C
 - an update that SecAgg+ would clip: ``UpdateOutOfRange``.
 
 A round that would spend more than the client's epsilon budget is refused, not failed: a zero
-update with weight 0 and status ``STATUS_BUDGET``. After every fit the client also reports
+update with weight 0 and status ``STATUS_BUDGET``; under SecAgg+ the client leaves the round
+instead (``PrivacyBudgetExhausted``), so that every participant the server unmasks is a real
+contributor. After every fit the client also reports
 ``epsilon_next`` (what one more round would bring it to), so the strategy stops
 sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
 config, or the node's own ``epsilon-budget`` from its node config when that is stricter: the
@@ -65,6 +67,13 @@ _ROWS: dict[str, list[Row]] = {}
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
     """Local training produced NaN or infinity; the update is not sent."""
+
+
+class PrivacyBudgetExhausted(FlwrVerlError, RuntimeError):
+    """Under SecAgg+, a round that would pass the client's epsilon budget: the client leaves the
+    protocol instead of taking part with weight 0. A zero-weight participant still counts towards
+    the reconstruction threshold, so the server could unmask a "sum" of fewer real contributors
+    than the threshold promises (one client's exact update, when all others refuse)."""
 
 
 def cached_models(config: EngineConfig) -> Models:
@@ -155,9 +164,13 @@ class VerlClient(NumPyClient):
         budget = self.config.privacy.epsilon_budget
         if mechanism is not None and budget and account.after(mechanism, iterations).epsilon(
                 self.config.privacy.delta) > budget:
-            # Refuse: a zero update with zero weight, which every aggregation ignores.
             refusal = dataclasses.replace(report, status=STATUS_BUDGET,
                                           privacy=self._privacy_report(account, account, mechanism, iterations))
+            if instructions.secagg:
+                raise PrivacyBudgetExhausted(
+                    f"one more round would spend epsilon {refusal.privacy.epsilon_next:.3g} > budget {budget:g}; "
+                    "leaving the SecAgg+ round")
+            # In the clear: a zero update with zero weight, which every aggregation ignores.
             return [np.zeros_like(p) for p in parameters], 0, refusal.to_metrics()
 
         result = self.trainer.fit(

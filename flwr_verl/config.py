@@ -334,6 +334,10 @@ class FederationConfig:
     server_momentum: float = 0.9
     evaluate_every: int = 1
     save_every: int = 1
+    # Deadlines, in seconds: every wait of the server has one, and a message naming who is missing.
+    connect_timeout: float = 120.0  # for min-available-clients SuperNodes to be connected before a round
+    fit_timeout: float = 1800.0  # for the sampled clients' fit replies (plain rounds; SecAgg+ has secagg.timeout)
+    evaluate_timeout: float = 600.0  # for the evaluation replies
     output_dir: str = "~/flwr_verl_runs"
     resume: bool = False
     inject_failure_partition: int = -1  # tests: this partition's fit raises (-1 = none)
@@ -364,6 +368,8 @@ class FederationConfig:
                 f"with server-optimizer={self.server_optimizer!r} must be in (0, {largest:g}], or 0 for its default")
         require(self.evaluate_every >= 0, "evaluate-every", self.evaluate_every, "must be >= 0 (0 = never)")
         require(self.save_every >= 1, "save-every", self.save_every, "must be >= 1")
+        for key in ("connect_timeout", "fit_timeout", "evaluate_timeout"):
+            require(getattr(self, key) > 0, key.replace("_", "-"), getattr(self, key), "must be > 0 seconds")
         if self.secagg.enabled:
             require(self.secagg.num_shares <= self.min_fit_clients, "secagg.num-shares", self.secagg.num_shares,
                     f"must be <= min-fit-clients={self.min_fit_clients} (shares go to other sampled clients)")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from logging import INFO, WARNING
 from typing import Any
@@ -81,6 +82,9 @@ from flwr_verl.protocol import (
 from flwr_verl.secagg import MAX_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
+# The one-line error reply of a client that left a SecAgg+ round for its privacy budget
+# (``mods.concise_errors`` names it by client id, or by partition id, its default client id).
+BUDGET_REFUSAL = re.compile(r"^(?:client|partition) (?P<client_id>\S+): PrivacyBudgetExhausted: ")
 MAX_REASON = 400  # characters of one client's failure reason kept in logs and errors
 
 
@@ -234,6 +238,7 @@ class FedProxAdapters(Strategy):
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         self._round_start = time.perf_counter()
+        self._wait_for_clients(server_round, client_manager, self.config.min_available_clients)
         excluded = {cid for cid, client_id in self.client_ids.items() if client_id in self.exhausted}
         num_available = client_manager.num_available()
         eligible = num_available - len(excluded & set(client_manager.all()))
@@ -250,6 +255,18 @@ class FedProxAdapters(Strategy):
                               f"modulus holds the sum of at most {MAX_CLIENTS} without wrapping around")
         return [(client, FitIns(parameters, self._fit_config(server_round, client).to_config()))
                 for client in clients]
+
+    def _wait_for_clients(self, server_round: int, client_manager: ClientManager, count: int) -> None:
+        """Wait up to ``connect-timeout`` for ``count`` connected clients, then fail with what to change
+        (Flower's own ``sample`` would wait 24 hours without a word)."""
+        if client_manager.wait_for(count, timeout=self.config.connect_timeout):
+            return
+        secagg = (" SecAgg+ needs at least 3 clients: with fewer, set secagg.enabled=false."
+                  if self.secure_aggregation else "")
+        raise RoundFailed(
+            f"round {self.round_number(server_round)}: only {client_manager.num_available()} of "
+            f"min-available-clients={count} SuperNodes connected after connect-timeout={self.config.connect_timeout:g} "
+            f"s; start more SuperNodes, or lower min-available-clients and min-fit-clients.{secagg}")
 
     def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
         own = self.privacy_ledger.get(self.client_ids.get(client.cid, ""))
@@ -272,6 +289,9 @@ class FedProxAdapters(Strategy):
                 messages.append(f"client {proxy.cid}: unreadable report: {error}")
         for proxy, _, report in reports:
             self._note(proxy, report)
+        for message in messages:  # under SecAgg+ a refusing client leaves the round with this error
+            if refusal := BUDGET_REFUSAL.match(message):
+                self.exhausted.setdefault(refusal["client_id"], message)
         refused = [r for _, _, r in reports if r.status == STATUS_BUDGET]
         contributing = [(p, res, r) for p, res, r in reports if res.num_examples > 0 and r.status != STATUS_BUDGET]
         if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
@@ -344,9 +364,14 @@ class FedProxAdapters(Strategy):
         every = self.config.evaluate_every
         if not every or self.config.fraction_evaluate == 0 or server_round % every:
             return []
+        # Evaluation changes nothing: it goes to whoever is connected, without waiting for more.
         num_available = client_manager.num_available()
-        sample_size = max(int(num_available * self.config.fraction_evaluate), self.config.min_evaluate_clients)
-        clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients)
+        sample_size = min(num_available, max(int(num_available * self.config.fraction_evaluate),
+                                             self.config.min_evaluate_clients))
+        if sample_size < self.config.min_evaluate_clients:
+            log(WARNING, "round %s: evaluating on the %s connected clients (min-evaluate-clients=%s)",
+                self.round_number(server_round), num_available, self.config.min_evaluate_clients)
+        clients = client_manager.sample(num_clients=sample_size, min_num_clients=sample_size)
         return [(client, EvaluateIns(parameters, {"server_round": self.round_number(server_round)}))
                 for client in clients]
 

@@ -97,6 +97,9 @@ class FakeClientManager:
     def num_available(self):
         return len(self.clients)
 
+    def wait_for(self, num_clients, timeout):
+        return len(self.clients) >= num_clients  # nobody else will connect: no point in waiting
+
     def all(self):
         return dict(self.clients)
 

@@ -65,7 +65,8 @@ def one_round(config, *, secure: bool):
     train, val = load_rows(config.data, "train", 0), load_rows(config.data, "val", 0)
     clients = [VerlClient(config, train, val, partition_id=i) for i in range(2)]
     initial = clients[0].adapters.get_arrays()
-    federation = FederationConfig(min_fit_clients=2, proximal_mu=0.1, secagg=SecAggConfig(enabled=False))
+    federation = FederationConfig(min_fit_clients=2, min_available_clients=2, proximal_mu=0.1,
+                                  secagg=SecAggConfig(enabled=False))
     strategy = FedProxAdapters(federation, initial, local_iterations=1,
                                secure_aggregation=SecAggBounds(1.0, 64.0) if secure else None)
     results = []

@@ -39,7 +39,7 @@ from flwr_verl.data import load_rows
 from flwr_verl.models import build_models
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
 from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, SecAggBounds
-from flwr_verl.server import RunDirectory, fingerprint
+from flwr_verl.rundir import RunDirectory, fingerprint
 from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation
 from flwr_verl.trainer import FitResult
 from tests.flower_harness import (
@@ -505,3 +505,33 @@ def test_too_few_survivors_fail_the_round_cleanly_and_keep_the_adapter(federatio
     assert not (run_dir / "adapters" / "round-0003").exists()
     assert [r["round"] for r in records(run_dir)] == [1, 2]
     assert federation.run_status(text) == "finished:failed"
+
+
+def test_under_secagg_a_refusing_client_leaves_the_round_and_is_not_sampled_again(tiny_config, rows):
+    """A zero-weight participant would still count towards SecAgg+'s reconstruction threshold, and
+    the server could unmask one client's exact update as the "sum". Under SecAgg+ a client over
+    its budget therefore leaves the round with an error; the strategy stops sampling it."""
+    from flwr_verl.client import PrivacyBudgetExhausted
+    from flwr_verl.mods import describe
+
+    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True,
+                                  "epsilon_budget": 1e-3})
+    client = VerlClient(config, *rows, partition_id=1)
+    secure = fit_config(secagg=SecAggBounds(1.0, 64.0))
+    with pytest.raises(PrivacyBudgetExhausted, match=r"one more round would spend epsilon .* > budget 0.001"):
+        client.fit(client.adapters.get_arrays(), secure)
+    _, n, metrics = client.fit(client.adapters.get_arrays(), fit_config())  # in the clear: a zero-weight refusal
+    assert n == 0 and FitReport.from_metrics(metrics).status == STATUS_BUDGET
+
+    initial = [np.zeros((2, 2), np.float32)]
+    strategy = strategy_for(initial, secure=True, min_fit_clients=3)
+    manager = FakeClientManager(["0", "1", "2", "3"])
+    error = PrivacyBudgetExhausted("one more round would spend epsilon 2 > budget 1; leaving the SecAgg+ round")
+    failure = Exception(Error(code=1, reason=f"partition 1: {describe(error)}"))
+    def results(cids):
+        return [(manager.clients[c], fit_res([np.full((2, 2), 0.5)], 8, report(int(c)))) for c in cids]
+
+    strategy.aggregate_fit(1, results("0123"), [])  # round 1: node 1 trained and reported its id
+    strategy.aggregate_fit(2, results("023"), [failure])  # round 2: it left for its budget
+    sampled = {proxy.cid for proxy, _ in strategy.configure_fit(3, ndarrays_to_parameters(initial), manager)}
+    assert sampled == {"0", "2", "3"}

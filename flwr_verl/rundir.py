@@ -1,0 +1,156 @@
+"""The run directory: one run's outputs, its checkpoints, and the records resume reconciles.
+
+    <output-dir>/<run-id>/
+      config.json                  the validated run config
+      metrics.jsonl                one JSON object per round (round 0: the initial adapter's evaluation)
+      adapters/round-NNNN/policy/  the global adapter, a PEFT directory (PeftModel.from_pretrained)
+      adapters/round-NNNN/server_state.{safetensors,json}   the strategy's state_dict (``checkpoint.py``)
+      adapters/final/              the last round's adapter
+      progress.png                 reward, KL and epsilon per round
+
+A checkpoint is written to a temporary directory, synced to disk and renamed into place, so a
+server killed mid-save leaves the previous one intact; one that fails its hash check is skipped
+with a warning. ``metrics.jsonl`` lines are appended and synced; on resume the file is
+reconciled with the checkpoint (rounds after it are dropped and run again; the checkpoint's own
+round is restored if the kill came between saving it and appending it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.common import log
+
+from flwr_verl.checkpoint import MANIFEST, CheckpointError, load_state, save_state
+from flwr_verl.config import RunConfig
+from flwr_verl.models import AdapterSet
+
+
+def fingerprint(arrays: list[np.ndarray]) -> str:
+    """A short sha256 of adapter arrays (as float32), to show in logs which adapter a run holds."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    return digest.hexdigest()[:16]
+
+
+class RunDirectory:
+    """Writes one run's outputs and finds the checkpoint to resume from."""
+
+    def __init__(self, path: Path, adapters: AdapterSet) -> None:
+        self.path = path
+        self.adapters = adapters
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def create(cls, output_dir: str, adapters: AdapterSet, config: RunConfig) -> RunDirectory:
+        root = Path(output_dir).expanduser().resolve()
+        if config.federation.resume:
+            runs = sorted(p for p in root.glob("run-*") if (p / "adapters").is_dir()) if root.is_dir() else []
+            if runs:
+                return cls(runs[-1], adapters)
+            log(INFO, "resume: no earlier run under %s, starting a new one", root)
+        run = cls(root / time.strftime("run-%Y%m%d-%H%M%S"), adapters)
+        (run.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        return run
+
+    def checkpoints(self) -> list[Path]:
+        """Saved round directories, oldest first."""
+        return sorted(p.parent for p in self.path.glob(f"adapters/round-*/{MANIFEST}"))
+
+    def last_checkpoint(self) -> dict | None:
+        """The newest intact checkpoint's strategy state (a damaged one is skipped, with a warning)."""
+        for directory in reversed(self.checkpoints()):
+            try:
+                state = load_state(directory)
+            except CheckpointError as error:
+                log(WARNING, "resume: skipping a damaged checkpoint: %s", error)
+                continue
+            self.reconcile_metrics(int(state["round"]), state["last_round"] or None)
+            return state
+        return None
+
+    def save(self, state: dict, final: bool) -> str:
+        """Write the checkpoint of ``state`` (a strategy's ``state_dict()``) atomically; return
+        the adapter's fingerprint."""
+        arrays = [w.numpy().astype(np.float32) for w in state["weights"]]
+        self.adapters.set_arrays(arrays)
+        adapters = self.path / "adapters"
+        target = adapters / f"round-{int(state['round']):04d}"
+        self._atomic(target, lambda tmp: (self.adapters.save(tmp), save_state(tmp, state)))
+        if final:
+            self._atomic(adapters / "final", lambda tmp: shutil.copytree(target, tmp, dirs_exist_ok=True))
+        return fingerprint(arrays)
+
+    def finalize(self) -> None:
+        """``adapters/final`` := the newest checkpoint (when a run stops before its last round)."""
+        if checkpoints := self.checkpoints():
+            self._atomic(self.path / "adapters" / "final",
+                         lambda tmp: shutil.copytree(checkpoints[-1], tmp, dirs_exist_ok=True))
+
+    @staticmethod
+    def _atomic(target: Path, write) -> None:
+        tmp = target.with_name(f".{target.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.path / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def records(self) -> list[dict]:
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def reconcile_metrics(self, done: int, record: dict | None) -> None:
+        """Make ``metrics.jsonl`` hold exactly rounds 0..done once each, as the checkpoint saw them."""
+        before = self.records()
+        kept = {r["round"]: r for r in before if r.get("round", 0) <= done}
+        if record is not None:
+            kept[done] = {**kept.get(done, {}), **record}
+        if [kept[r] for r in sorted(kept)] != before:
+            log(INFO, "resume: metrics.jsonl reconciled with the round-%s checkpoint (%s records kept, %s before)",
+                done, len(kept), len(before))
+        tmp = self.path / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(kept[r]) + "\n" for r in sorted(kept)))
+        os.replace(tmp, self.path / "metrics.jsonl")
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.records()
+        if not records:
+            return
+        panels = [("reward", [("reward_after", "fit"), ("reward", "evaluate")]), ("kl", [("kl", "fit")]),
+                  ("epsilon", [("epsilon_total", "fit")])]
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+        for axis, (title, series) in zip(axes, panels):
+            for key, part in series:
+                points = [(r["round"], r[part][key]) for r in records if key in r.get(part, {})]
+                axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=f"{part} {key}")
+            axis.set_title(title)
+            axis.set_xlabel("round")
+            axis.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(self.path / "progress.png", dpi=90)
+        plt.close(fig)

@@ -1,0 +1,165 @@
+"""One federated round on Flower's legacy stack, where every wait has a deadline.
+
+Flower's ``default_fit_workflow`` and ``default_evaluate_workflow`` wait for every sampled node
+without a deadline, and ``ClientManager.sample`` waits up to 24 hours for ``min_num_clients``: a
+node that died, or a federation smaller than ``min-available-clients``, hangs the run with no
+message. The steps here replace them:
+
+- ``exchange``: send the strategy's legacy instructions and collect the replies until a deadline;
+  a node that does not answer in time is a failure of the round that names the node.
+- ``RoundLoop``: the fit and evaluate steps that ``DefaultWorkflow`` runs each round. Before the
+  first round of a fresh run it evaluates the initial adapter (round 0). After a fit it writes
+  the checkpoint at once, before evaluating, so a round whose evaluation never ends is not lost.
+  Evaluation goes to whoever is connected, with a deadline.
+- ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
+  round with the reason instead of passing silently. Its own deadline is ``secagg.timeout``.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+
+from flwr.common import Code, Message, MessageType, log
+import flwr.compat.common.recorddict_compat as compat
+from flwr.server import Grid, LegacyContext
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
+from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
+
+from flwr_verl.config import FederationConfig
+from flwr_verl.rundir import RunDirectory
+from flwr_verl.strategy import FedProxAdapters, RoundFailed, describe_failures
+
+
+class NoReply(Exception):
+    """A sampled node sent no reply before the deadline."""
+
+
+def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
+             timeout: float) -> tuple[list, list]:
+    """Send each ``(proxy, FitIns | EvaluateIns)`` and collect replies for at most ``timeout``
+    seconds; return ``(results, failures)`` as the legacy strategy API expects them."""
+    to_recorddict, from_recorddict = (
+        (compat.fitins_to_recorddict, compat.recorddict_to_fitres) if message_type == MessageType.TRAIN
+        else (compat.evaluateins_to_recorddict, compat.recorddict_to_evaluateres))
+    proxies = {proxy.node_id: proxy for proxy, _ in instructions}
+    messages = [Message(content=to_recorddict(ins, True), dst_node_id=proxy.node_id, message_type=message_type,
+                        group_id=str(server_round)) for proxy, ins in instructions]
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    results, failures = [], []
+    for reply in replies:
+        if reply.has_content():
+            res = from_recorddict(reply.content, False)
+            (results if res.status.code == Code.OK else failures).append((proxies[reply.metadata.src_node_id], res))
+        else:
+            failures.append(Exception(reply.error))
+    answered = {reply.metadata.src_node_id for reply in replies}
+    failures += [NoReply(f"node {node} sent no {message_type} reply within {timeout:g} s")
+                 for node in proxies if node not in answered]
+    return results, failures
+
+
+class RoundLoop:
+    """The fit and evaluate steps that ``DefaultWorkflow`` runs each round, with deadlines.
+
+    Args:
+        strategy: the federation's strategy; its ``state_dict()`` is what gets checkpointed.
+        run: the run directory that receives checkpoints and ``metrics.jsonl`` records.
+        federation: cadences (``evaluate-every``, ``save-every``) and deadlines (``fit-timeout``,
+            ``evaluate-timeout``).
+        secure_fit: the SecAgg+ fit workflow; None fits in the clear.
+    """
+
+    def __init__(self, strategy: FedProxAdapters, run: RunDirectory, federation: FederationConfig,
+                 secure_fit: SecAggPlusWorkflow | None) -> None:
+        self.strategy, self.run, self.federation, self.secure_fit = strategy, run, federation, secure_fit
+        self.saved_round = strategy.completed_round
+
+    def fit(self, grid: Grid, legacy: LegacyContext) -> None:
+        current = current_round(legacy)
+        if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
+            self.run.append_metrics({"round": 0, "evaluate": self.evaluate_round(grid, legacy, 0)})
+        if self.secure_fit is not None:
+            self.secure_fit(grid, legacy)
+        else:
+            self._plain_fit(grid, legacy, current)
+        state = self.strategy.state_dict()
+        round_number = self.strategy.round_number(current)
+        if state["round"] != round_number:
+            raise RoundFailed(f"round {round_number}: no update was aggregated "
+                              "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
+        last = round_number == self.federation.num_server_rounds
+        if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
+            self.save(state, final=last)
+
+    def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
+        record = dict(self.strategy.state_dict()["last_round"])
+        if evaluation := self.evaluate_round(grid, legacy, current_round(legacy)):
+            record["evaluate"] = evaluation
+        self.run.append_metrics(record)
+        self.run.plot()
+
+    def save(self, state: dict, final: bool) -> None:
+        saved = self.run.save(state, final=final)
+        self.saved_round = int(state["round"])
+        log(INFO, "round %s: adapter %s saved", self.saved_round, saved)
+
+    def _plain_fit(self, grid: Grid, legacy: LegacyContext, current: int) -> None:
+        parameters = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+        instructions = self.strategy.configure_fit(current, parameters, legacy.client_manager)
+        results, failures = exchange(grid, instructions, MessageType.TRAIN, current, self.federation.fit_timeout)
+        aggregated, metrics = self.strategy.aggregate_fit(current, results, failures)
+        legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(aggregated, True)
+        legacy.history.add_metrics_distributed_fit(server_round=current, metrics=metrics)
+
+    def evaluate_round(self, grid: Grid, legacy: LegacyContext, server_round: int) -> dict:
+        """Evaluate the current global adapter on the connected clients' held-out prompts, with a
+        deadline; the aggregated metrics ({} when none was due or nobody answered)."""
+        parameters = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
+        instructions = self.strategy.configure_evaluate(server_round, parameters, legacy.client_manager)
+        if not instructions:
+            return {}
+        start = time.perf_counter()
+        results, failures = exchange(grid, instructions, MessageType.EVALUATE, server_round,
+                                     self.federation.evaluate_timeout)
+        _, metrics = self.strategy.aggregate_evaluate(server_round, results, failures)
+        return {**metrics, "seconds": time.perf_counter() - start} if metrics else {}
+
+
+def current_round(legacy: LegacyContext) -> int:
+    return int(legacy.state.config_records[MAIN_CONFIGS_RECORD][Key.CURRENT_ROUND])
+
+
+class CheckedSecAggPlusWorkflow(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow, except that a halted protocol raises ``RoundFailed``.
+
+    Flower only logs "Secure aggregation halted." and goes on to the next round, so a round
+    that lost more clients than the reconstruction threshold allows would pass silently. Here
+    it ends the run with the stage, the number of clients left, the threshold and every
+    client's reason; the global adapter is left as it was.
+    """
+
+    STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
+
+    def __call__(self, grid: Grid, context: LegacyContext) -> None:
+        state = WorkflowState()
+        steps = (self.setup_stage, self.share_keys_stage, self.collect_masked_vectors_stage, self.unmask_stage)
+        log(INFO, "Secure aggregation commencing.")
+        for stage, step in zip(self.STAGES, steps):
+            if not step(grid, context, state):
+                log(WARNING, "Secure aggregation halted.")
+                raise RoundFailed(self._halted(context, state, stage))
+        log(INFO, "Secure aggregation completed.")
+
+    @staticmethod
+    def _halted(context: LegacyContext, state: WorkflowState, stage: str) -> str:
+        round_number = context.strategy.round_number(current_round(context))
+        sampled = len(state.sampled_node_ids)
+        if not sampled:
+            return f"round {round_number}: secure aggregation halted at stage '{stage}': too few clients sampled"
+        reasons = "; ".join(describe_failures(state.failures)) or "no reply before secagg.timeout"
+        return (f"round {round_number}: secure aggregation halted at stage '{stage}': "
+                f"{len(state.active_node_ids)} of {sampled} sampled clients still taking part, fewer than the "
+                f"reconstruction threshold {state.threshold} allows. Client failures: {reasons}")
