@@ -18,6 +18,7 @@ round is restored if the kill came between saving it and appending it).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -30,7 +31,25 @@ import numpy as np
 from flwr.common import log
 
 from flwr_verl.checkpoint import MANIFEST, CheckpointError, load_state, save_state
-from flwr_verl.config import RunConfig
+from flwr_verl.config import ConfigError, RunConfig
+
+# What a resumed run may change: how long it runs, where it writes, how often it evaluates and
+# saves, and how long it waits. Everything else changes what is trained or what it spends.
+RESUMABLE_CHANGES = frozenset({
+    "federation.num_server_rounds", "federation.output_dir", "federation.resume", "federation.evaluate_every",
+    "federation.save_every", "federation.connect_timeout", "federation.fit_timeout", "federation.evaluate_timeout",
+    "federation.inject_failure_partition", "federation.secagg.timeout", "engine.trainer.num_threads",
+})
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 from flwr_verl.models import AdapterSet
 
 
@@ -52,15 +71,53 @@ class RunDirectory:
 
     @classmethod
     def create(cls, output_dir: str, adapters: AdapterSet, config: RunConfig) -> RunDirectory:
+        """The newest run under ``output_dir`` when resuming (its config checked against
+        ``config``), else a new run directory with a unique name."""
         root = Path(output_dir).expanduser().resolve()
         if config.federation.resume:
             runs = sorted(p for p in root.glob("run-*") if (p / "adapters").is_dir()) if root.is_dir() else []
             if runs:
-                return cls(runs[-1], adapters)
+                run = cls(runs[-1], adapters)
+                run.check_resumed_config(config)
+                return run
             log(INFO, "resume: no earlier run under %s, starting a new one", root)
-        run = cls(root / time.strftime("run-%Y%m%d-%H%M%S"), adapters)
+        root.mkdir(parents=True, exist_ok=True)
+        while True:  # microseconds order the names; exist_ok=False makes two servers never share one
+            path = root / datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S-%f")
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                continue
+        run = cls(path, adapters)
         (run.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
         return run
+
+    def check_resumed_config(self, config: RunConfig) -> None:
+        """A resumed run must train what it trained before: a change to any key but rounds,
+        output, cadences and deadlines is one ``ConfigError`` naming every changed key; the
+        allowed changes are logged and appended to ``config_changes.jsonl``."""
+        saved_file = self.path / "config.json"
+        try:
+            saved = _flat(json.loads(saved_file.read_text()))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"resume: {saved_file} is unreadable ({error}); cannot check that the run's "
+                              "config is unchanged") from error
+        now = _flat(dataclasses.asdict(config))
+        changed = {key: (saved.get(key), now.get(key)) for key in saved.keys() | now.keys()
+                   if saved.get(key) != now.get(key)}
+        forbidden = sorted(key for key in changed if key not in RESUMABLE_CHANGES)
+        if forbidden:
+            raise ConfigError("resume: the run in {} was trained with a different config; changed: {}. Only {} may "
+                              "change on resume: start a new run (resume=false) to train with the new values".format(
+                                  self.path, "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in forbidden),
+                                  ", ".join(sorted(RESUMABLE_CHANGES))))
+        if changed:
+            log(INFO, "resume: config changes recorded: %s",
+                "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+            with open(self.path / "config_changes.jsonl", "a") as handle:
+                handle.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changed.items()}})
+                             + "\n")
 
     def checkpoints(self) -> list[Path]:
         """Saved round directories, oldest first."""
@@ -116,8 +173,20 @@ class RunDirectory:
             os.fsync(handle.fileno())
 
     def records(self) -> list[dict]:
+        """The records of ``metrics.jsonl``; a torn last line (a kill during an append) is left out,
+        with a warning."""
         path = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        records = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if number < len(lines):
+                    raise CheckpointError(f"{path} line {number} is not JSON, and it is not the last line: the "
+                                          "file was damaged, not torn by a kill; repair or remove it") from None
+                log(WARNING, "%s: dropping a torn last line (%s characters)", path, len(line))
+        return records
 
     def reconcile_metrics(self, done: int, record: dict | None) -> None:
         """Make ``metrics.jsonl`` hold exactly rounds 0..done once each, as the checkpoint saw them."""
@@ -125,6 +194,9 @@ class RunDirectory:
         kept = {r["round"]: r for r in before if r.get("round", 0) <= done}
         if record is not None:
             kept[done] = {**kept.get(done, {}), **record}
+        if missing := [r for r in range(1, done + 1) if r not in kept]:
+            log(WARNING, "resume: metrics.jsonl has no record of round(s) %s, which the round-%s checkpoint "
+                "completed; their metrics are lost (the adapter and privacy ledger are not)", missing, done)
         if [kept[r] for r in sorted(kept)] != before:
             log(INFO, "resume: metrics.jsonl reconciled with the round-%s checkpoint (%s records kept, %s before)",
                 done, len(kept), len(before))

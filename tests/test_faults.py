@@ -21,6 +21,7 @@ node's heartbeat lapses, which costs up to a minute and changes nothing else.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import time
@@ -535,3 +536,41 @@ def test_under_secagg_a_refusing_client_leaves_the_round_and_is_not_sampled_agai
     strategy.aggregate_fit(2, results("023"), [failure])  # round 2: it left for its budget
     sampled = {proxy.cid for proxy, _ in strategy.configure_fit(3, ndarrays_to_parameters(initial), manager)}
     assert sampled == {"0", "2", "3"}
+
+
+def test_resume_refuses_a_changed_model_or_privacy_config_naming_each_key(tmp_path, tiny_config):
+    from flwr_verl.config import ConfigError, RunConfig, parse_run_config
+
+    adapters = build_models(tiny_config().model, with_critic=False).adapters
+    first = parse_run_config({"output-dir": str(tmp_path), "model.lora_alpha": 16.0})
+    run = RunDirectory.create(str(tmp_path), adapters, first)
+    (run.path / "adapters").mkdir()
+
+    def resume(**overrides) -> RunConfig:
+        return parse_run_config({"output-dir": str(tmp_path), "resume": True, "model.lora_alpha": 16.0, **overrides})
+
+    with pytest.raises(ConfigError) as error:
+        RunDirectory.create(str(tmp_path), adapters, resume(**{"model.lora_alpha": 64.0, "model.lora_rank": 4,
+                                                               "privacy.noise_multiplier": 0.3}))
+    message = str(error.value)
+    for change in ("engine.model.lora_alpha 16.0 -> 64.0", "engine.model.lora_rank 8 -> 4",
+                   "engine.privacy.noise_multiplier 0.65 -> 0.3"):
+        assert change in message, message
+    resumed = RunDirectory.create(str(tmp_path), adapters, resume(**{"num-server-rounds": 12, "fit-timeout": 60.0}))
+    assert resumed.path == run.path
+    (change,) = [json.loads(line) for line in (run.path / "config_changes.jsonl").read_text().splitlines()]
+    assert change["changes"]["federation.num_server_rounds"] == [8, 12]
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_run_names_never_collide(tmp_path, tiny_config):
+    from flwr_verl.config import parse_run_config
+
+    adapters = build_models(tiny_config().model, with_critic=False).adapters
+    config = parse_run_config({"output-dir": str(tmp_path)})
+    names = {RunDirectory.create(str(tmp_path), adapters, config).path.name for _ in range(5)}  # within a second
+    assert len(names) == 5
+    run = RunDirectory(tmp_path / sorted(names)[0], adapters)
+    run.append_metrics({"round": 1, "fit": {}})
+    with open(run.path / "metrics.jsonl", "a") as handle:
+        handle.write('{"round": 2, "fi')  # killed during an append
+    assert [r["round"] for r in run.records()] == [1]
