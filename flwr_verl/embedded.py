@@ -7,20 +7,22 @@ needs from code:
 2. a small Llama-style causal LM initialised from a config;
 3. a short supervised warm start on answer tokens only, so that RL has reward signal from the
    first iteration (a random model never answers correctly and gets no gradient from a 0/1
-   reward);
+   reward), and on train-split problems only;
 4. the task itself: ``a+b=`` prompts in verl's row format, and a ``compute_score`` that checks
-   the answer exactly.
+   the answer exactly. The problem space is split once, by a hash of each problem, into
+   train / tune / val: held-out figures are held out whatever the seeds and clients.
 
 The result is an ordinary Hugging Face model directory, cached under
 ``$FLWR_VERL_CACHE`` (default ``~/.cache/flwr_verl``) and keyed by a hash of the recipe, so that
-every process on a node (server, Ray actors) reuses one build. Building is deterministic:
-the server and every client get bit-identical frozen base weights.
+every process on a node (server, Ray actors) reuses one build. Building is deterministic (one
+thread, deterministic kernels): the server and every client get bit-identical frozen base weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -36,13 +38,16 @@ DATA_SOURCE = "flwr_verl/arithmetic"
 
 # Everything that changes the built model belongs in this recipe: its hash names the cache entry.
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 2,  # 2: train-split problems only, one thread, calibrated to about 0.3 held-out
     "max_operand": 49,
     "hidden_size": 96,
     "intermediate_size": 192,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "warm_start_steps": 1000,
+    # Calibrated on the tune split: 235 steps put greedy exact-match at about 0.3, on the steep part
+    # of the learning curve (0.03 at 100 steps, 0.25 at 200, 0.67 at 300, 0.9 at 900), so RL has
+    # reward signal and room. Measured at 20-40 ms a step on one core.
+    "warm_start_steps": 235,
     "warm_start_batch_size": 64,
     "warm_start_lr": 3e-3,
     "seed": 1234,
@@ -89,8 +94,13 @@ def split_problems(split: str, max_operand: int | None = None) -> list[tuple[str
     """Every ``a+b=`` problem of ``split`` as (prompt text, answer text), in a fixed order."""
     check_split(split)
     top = RECIPE["max_operand"] if max_operand is None else max_operand
-    return [(f"{a}+{b}=", str(a + b)) for a in range(top + 1) for b in range(top + 1)
-            if split_of(problem_key(a, b)) == split]
+    return list(_split_problems(split, top))
+
+
+@functools.lru_cache(maxsize=None)
+def _split_problems(split: str, top: int) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{a}+{b}=", str(a + b)) for a in range(top + 1) for b in range(top + 1)
+                 if split_of(problem_key(a, b)) == split)
 
 
 def sample_problems(split: str, count: int, rng: random.Random,
@@ -178,7 +188,7 @@ def build_embedded_model(out_dir: Path, recipe: dict[str, Any] | None = None) ->
     recipe = RECIPE if recipe is None else recipe
     started = time.monotonic()
     _say(f"building the embedded model (tiny Llama, {recipe['warm_start_steps']} warm-start steps on "
-         f"train-split a+b problems, about 30 s) in {out_dir.parent}")
+         f"train-split a+b problems; about 10-40 s) in {out_dir.parent}")
     with _deterministic():
         model, tokenizer = _build(recipe)
     model.save_pretrained(out_dir)
