@@ -187,19 +187,19 @@ def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, 
     that also appear in the training files are counted in a warning."""
     embedded.check_split(split)
     if config.train_files:
-        files = {"train": config.train_files, "val": config.val_files}.get(split, "")
-        if not files:  # no validation (or tune) file: no held-out prompts
+        source = {"train": config.train_files, "val": config.val_files}.get(split, "")
+        if not source:  # no validation (or tune) file: no held-out prompts
             return []
-        rows = load_parquet_rows(files)
+        rows = load_parquet_rows(source)
         if split == "val":
-            warn_on_overlap(rows, load_parquet_rows(config.train_files), files, config.train_files)
+            warn_on_overlap(rows, load_parquet_rows(config.train_files), source, config.train_files)
     else:
         size = config.train_size if split == "train" else config.val_size
         if size == 0:
             return []
-        files = f"data.task={config.task!r}"
+        source = f"data.task={config.task!r}"
         rows = task_rows(config.task, size * num_partitions, seed, split)
-    return partition_rows(rows, partition_id, num_partitions, config, seed, source=files)
+    return partition_rows(rows, partition_id, num_partitions, config, seed, source=source)
 
 
 def warn_on_overlap(val_rows: list[Row], train_rows: list[Row], val_files: str, train_files: str) -> int:

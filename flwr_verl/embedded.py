@@ -107,8 +107,10 @@ def sample_problems(split: str, count: int, rng: random.Random,
                     max_operand: int | None = None) -> list[tuple[str, str]]:
     """``count`` problems of ``split``: passes over the split's problems, each pass freshly shuffled.
 
-    Within a pass no problem repeats; a problem appears twice only once ``count`` exceeds the
-    split's size (the default sizes stay below it)."""
+    Within a pass no problem repeats; problems repeat only once ``count`` exceeds the split's size.
+    With operands 0..49 the splits hold about 2,000 / 240 / 240 problems: the default federation's
+    192 pooled val prompts are all distinct, its 6,144 pooled train prompts cover each train problem
+    about three times."""
     pool = split_problems(split, max_operand)
     drawn: list[tuple[str, str]] = []
     while len(drawn) < count:
