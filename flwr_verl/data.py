@@ -13,6 +13,8 @@ the row number and the missing field in the message.
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,15 +72,11 @@ def load_parquet_rows(files: str) -> list[Row]:
 
 # ----------------------------------------------------------------------------- task generators
 def task_rows(task: str, size: int, seed: int, split: str) -> list[Row]:
-    """``size`` rows from a task generator."""
+    """``size`` rows of ``split`` from a task generator; the splits never share a problem."""
+    embedded.check_split(split)
     if task == "arithmetic":
         return embedded.arithmetic_rows(size, seed, split)
     name = task.removeprefix("reasoning_gym:")
-    try:
-        import reasoning_gym
-    except ImportError as error:
-        raise DataError(f"data.task={task!r} needs the 'reasoning-gym' package: pip install reasoning-gym") from error
-    dataset = reasoning_gym.create_dataset(name, size=size, seed=seed + (0 if split == "train" else 1))
     return [
         {
             "data_source": f"reasoning_gym/{name}",
@@ -87,8 +85,38 @@ def task_rows(task: str, size: int, seed: int, split: str) -> list[Row]:
             # reasoning-gym scores an answer against its whole entry (answer and metadata).
             "extra_info": {"split": split, "index": index, "reasoning_gym_entry": dict(entry)},
         }
-        for index, entry in enumerate(dataset)
+        for index, entry in enumerate(reasoning_gym_entries(name, size, seed, split))
     ]
+
+
+REASONING_GYM_ATTEMPTS = 20  # generator calls per split before a task counts as too small
+
+
+def reasoning_gym_entries(name: str, size: int, seed: int, split: str) -> list[dict[str, Any]]:
+    """``size`` distinct entries of reasoning-gym task ``name`` whose question hashes to ``split``.
+
+    reasoning-gym draws problems at random from a seed, so every split comes from the same
+    generator: a split keeps only the entries its hash selects, and asks for more (with fresh
+    seeds) until it has ``size`` distinct questions."""
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise DataError(f"data.task='reasoning_gym:{name}' needs the 'reasoning-gym' package: "
+                        "pip install reasoning-gym") from error
+    share = embedded.SPLIT_FRACTIONS[split]
+    chunk = max(16, int(size / share * 1.2))  # one call is usually enough
+    kept: dict[str, dict[str, Any]] = {}
+    for attempt in range(REASONING_GYM_ATTEMPTS):
+        for entry in reasoning_gym.create_dataset(name, size=chunk, seed=seed * 1_000_003 + attempt):
+            if len(kept) < size and embedded.split_of(entry["question"]) == split:
+                kept.setdefault(entry["question"], entry)
+        if len(kept) == size:
+            return list(kept.values())
+    raise DataError(
+        f"data.task='reasoning_gym:{name}': found only {len(kept)} distinct {split!r} problems of the "
+        f"{size} needed in {REASONING_GYM_ATTEMPTS * chunk} generated; the task's problem space is too "
+        f"small for data.train_size/val_size: lower them"
+    )
 
 
 def task_compute_score(task: str) -> ComputeScore:
@@ -108,18 +136,23 @@ def reasoning_gym_compute_score(data_source, solution_str, ground_truth, extra_i
 
 
 # ----------------------------------------------------------------------------- splitting
-def partition_rows(rows: list[Row], partition_id: int, num_partitions: int, config: DataConfig, seed: int) -> list[Row]:
+def partition_rows(rows: list[Row], partition_id: int, num_partitions: int, config: DataConfig, seed: int,
+                   source: str = "rows") -> list[Row]:
     """This client's share of ``rows``, through flwr-datasets' partitioners.
 
     ``iid``: a uniform random split. ``dirichlet``: label skew over the values of the row
     field ``data.partition_by`` (dotted paths reach into dicts), with concentration
-    ``data.dirichlet_alpha``; smaller alpha gives more skew.
+    ``data.dirichlet_alpha``; smaller alpha gives more skew. ``source`` (the files) names the
+    data in errors.
     """
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
     if not 0 <= partition_id < num_partitions:
         raise DataError(f"partition-id={partition_id} must be in [0, num-partitions={num_partitions})")
+    if len(rows) < num_partitions:
+        raise DataError(f"{source}: {len(rows)} rows cannot be split into num-partitions={num_partitions} "
+                        "partitions: every partition needs at least one row")
     if num_partitions == 1:
         return list(rows)
     labels = [str(_field(row, config.partition_by)) for row in rows]
@@ -146,19 +179,42 @@ def _field(row: Row, dotted: str) -> Any:
 
 
 def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, num_partitions: int = 1) -> list[Row]:
-    """One client's rows for ``split`` ("train" or "val"). Task generators make the pooled set
-    (``size * num_partitions`` rows, seeded by the run seed) and split it like a file."""
-    files = config.train_files if split == "train" else config.val_files
-    if files:
-        rows = load_parquet_rows(files)
-    elif config.train_files:  # user data without a validation file: no held-out prompts
-        return []
+    """One client's rows for ``split`` ("train", "tune" or "val").
+
+    Task generators make the pooled set (``size * num_partitions`` rows of the split, seeded by the
+    run seed; "tune" is as large as "val") and split it like a file; their splits are disjoint by
+    construction. Parquet data has train and val files only ("tune" is empty); validation prompts
+    that also appear in the training files are counted in a warning."""
+    embedded.check_split(split)
+    if config.train_files:
+        source = {"train": config.train_files, "val": config.val_files}.get(split, "")
+        if not source:  # no validation (or tune) file: no held-out prompts
+            return []
+        rows = load_parquet_rows(source)
+        if split == "val":
+            warn_on_overlap(rows, load_parquet_rows(config.train_files), source, config.train_files)
     else:
         size = config.train_size if split == "train" else config.val_size
         if size == 0:
             return []
+        source = f"data.task={config.task!r}"
         rows = task_rows(config.task, size * num_partitions, seed, split)
-    return partition_rows(rows, partition_id, num_partitions, config, seed)
+    return partition_rows(rows, partition_id, num_partitions, config, seed, source=source)
+
+
+def warn_on_overlap(val_rows: list[Row], train_rows: list[Row], val_files: str, train_files: str) -> int:
+    """Warn when validation prompts also appear in the training files: such a figure is not
+    held-out. Returns the number of distinct shared prompts."""
+    shared = {_prompt_key(row) for row in val_rows} & {_prompt_key(row) for row in train_rows}
+    if shared:
+        distinct = len({_prompt_key(row) for row in val_rows})
+        warnings.warn(f"{len(shared)} of {distinct} distinct validation prompts in {val_files} also appear in "
+                      f"the training files {train_files}: the validation figures are not held-out", stacklevel=3)
+    return len(shared)
+
+
+def _prompt_key(row: Row) -> str:
+    return json.dumps(row["prompt"], sort_keys=True)
 
 
 def prompt_text(row: Row, tokenizer) -> str:

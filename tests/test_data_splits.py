@@ -1,0 +1,158 @@
+"""Honest evaluation: train / tune / val never share a problem, for any seed or client count;
+parquet overlap is reported; the embedded build is deterministic and sees train problems only."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from flwr_verl import embedded
+from flwr_verl.config import DataConfig, FlwrVerlError
+from flwr_verl.data import DataError, load_rows
+
+CLIENTS = 3
+TASKS = ["arithmetic", "reasoning_gym:chain_sum"]
+
+
+def prompts(rows) -> set[str]:
+    return {row["prompt"][0]["content"] for row in rows}
+
+
+def pooled(config: DataConfig, split: str, seed: int) -> set[str]:
+    """The prompts of ``split`` over all clients of a federation of CLIENTS."""
+    return prompts([row for k in range(CLIENTS) for row in load_rows(config, split, seed, k, CLIENTS)])
+
+
+# ----------------------------------------------------------------------------- task generators
+@pytest.mark.parametrize("task", TASKS)
+def test_splits_pooled_over_clients_share_no_prompt(task):
+    if task.startswith("reasoning_gym"):
+        pytest.importorskip("reasoning_gym")
+    config = DataConfig(task=task, train_size=64, val_size=16)
+    seen = {split: pooled(config, split, seed=0) for split in embedded.SPLITS}
+    assert len(seen["train"]) > 100 and len(seen["tune"]) > 20 and len(seen["val"]) > 20
+    assert not seen["train"] & seen["val"]
+    assert not seen["train"] & seen["tune"]
+    assert not seen["tune"] & seen["val"]
+
+
+def test_arithmetic_splits_are_disjoint_across_seeds_and_commuted_operands():
+    config = DataConfig(train_size=512, val_size=64)
+    train = pooled(config, "train", seed=0) | pooled(config, "train", seed=7)
+    val = pooled(config, "val", seed=3)
+    assert not train & val
+    commuted = {"+".join(reversed(p.rstrip("=").split("+"))) + "=" for p in val}
+    assert not train & commuted  # b+a is the same fact as a+b: never one in train, one in val
+
+
+def test_every_arithmetic_problem_has_exactly_one_split():
+    parts = [set(embedded.split_problems(split)) for split in embedded.SPLITS]
+    top = embedded.RECIPE["max_operand"]
+    assert sum(len(p) for p in parts) == len(set().union(*parts)) == (top + 1) ** 2
+    val_share = len(parts[2]) / (top + 1) ** 2
+    assert abs(val_share - embedded.SPLIT_FRACTIONS["val"]) < 0.03
+
+
+def test_arithmetic_rows_repeat_problems_only_past_the_split_size():
+    size = len(embedded.split_problems("val"))
+    assert len(prompts(embedded.arithmetic_rows(size, seed=0, split="val"))) == size
+    assert len(prompts(embedded.arithmetic_rows(size + 10, seed=0, split="val"))) == size
+
+
+def test_rows_are_deterministic_in_the_seed():
+    config = DataConfig(train_size=32, val_size=8)
+    assert load_rows(config, "val", 5, 1, CLIENTS) == load_rows(config, "val", 5, 1, CLIENTS)
+    assert load_rows(config, "train", 5) != load_rows(config, "train", 6)
+
+
+def test_unknown_split_is_a_data_error():
+    with pytest.raises(DataError, match="split='test'"):
+        load_rows(DataConfig(), "test", seed=0)
+    assert issubclass(DataError, FlwrVerlError)
+
+
+def test_reasoning_gym_task_too_small_is_a_clear_error(monkeypatch):
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    monkeypatch.setattr(reasoning_gym, "create_dataset",
+                        lambda name, size, seed: [{"question": f"q{i}", "answer": "1"} for i in range(5)])
+    with pytest.raises(DataError, match=r"reasoning_gym:tiny.*only \d+ distinct 'train' problems.*too small"):
+        load_rows(DataConfig(task="reasoning_gym:tiny", train_size=50), "train", seed=0)
+
+
+# ----------------------------------------------------------------------------- parquet files
+@pytest.fixture()
+def write_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(rows, name):
+        path = tmp_path / name
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return str(path)
+
+    return write
+
+
+def test_parquet_validation_prompts_in_training_files_are_counted_in_a_warning(write_parquet):
+    train = embedded.arithmetic_rows(20, seed=0, split="train")
+    val = train[:3] + embedded.arithmetic_rows(5, seed=0, split="val")
+    config = DataConfig(train_files=write_parquet(train, "train.parquet"), val_files=write_parquet(val, "val.parquet"))
+    with pytest.warns(UserWarning, match=r"3 of 8 distinct validation prompts .*val.parquet"):
+        assert len(load_rows(config, "val", seed=0)) == 8
+    assert load_rows(config, "tune", seed=0) == []
+
+
+def test_disjoint_parquet_files_load_without_warning(write_parquet):
+    config = DataConfig(train_files=write_parquet(embedded.arithmetic_rows(8, 0, "train"), "train.parquet"),
+                        val_files=write_parquet(embedded.arithmetic_rows(4, 0, "val"), "val.parquet"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_rows(config, "val", seed=0)) == 4
+
+
+def test_fewer_rows_than_partitions_names_file_rows_and_partitions(write_parquet):
+    path = write_parquet(embedded.arithmetic_rows(2, seed=0), "small.parquet")
+    with pytest.raises(DataError, match=r"small.parquet: 2 rows cannot be split into num-partitions=3"):
+        load_rows(DataConfig(train_files=path), "train", seed=0, partition_id=0, num_partitions=3)
+
+
+# ----------------------------------------------------------------------------- the embedded build
+def test_warm_start_sees_only_train_split_problems():
+    recipe = {**embedded.RECIPE, "warm_start_steps": 40}
+    batches = list(embedded.warm_start_batches(recipe))
+    assert len(batches) == 40 and all(len(b) == recipe["warm_start_batch_size"] for b in batches)
+    train = set(embedded.split_problems("train"))
+    assert all(problem in train for batch in batches for problem in batch)
+
+
+BUILD = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+from flwr_verl.embedded import embedded_model_path
+path = embedded_model_path()
+assert torch.get_num_threads() == int(sys.argv[1]) and not torch.are_deterministic_algorithms_enabled()
+print(path)
+"""
+
+
+def build_in_fresh_process(cache: Path, threads: int) -> tuple[Path, str]:
+    env = {**os.environ, "FLWR_VERL_CACHE": str(cache)}
+    result = subprocess.run([sys.executable, "-c", BUILD, str(threads)], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+@pytest.mark.slow
+def test_embedded_build_is_bit_identical_across_thread_counts_and_says_what_it_does(tmp_path):
+    one, log = build_in_fresh_process(tmp_path / "one", threads=1)
+    two, _ = build_in_fresh_process(tmp_path / "two", threads=2)
+    digest = lambda path: hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert digest(one) == digest(two)
+    assert "building the embedded model" in log and "built the embedded model in" in log
