@@ -114,6 +114,35 @@ def test_every_estimator_runs_one_iteration(tiny_config, estimator):
         assert trainer.models.critic is None and "vf_loss" not in metrics
 
 
+def test_estimators_are_told_apart(tiny_config):
+    """The same prompts, responses and rewards (same seed) through each estimator: every estimator
+    gives its own advantages, and each has its defining property (group baselines center each
+    prompt's responses; remax subtracts the greedy response's reward; gae uses the critic)."""
+    advantages = {}
+    for estimator in ADV_ESTIMATORS:
+        config = tiny_config(algorithm={"adv_estimator": estimator}, rollout={"n": 4})
+        trainer = LocalPPOTrainer(config, load_rows(config.data, "train", seed=0))
+        captured = {}
+        trainer._update = lambda fit, batch, num_units, captured=captured: captured.update(batch=batch) or {}
+        trainer.fit(1, seed=3)
+        batch = captured["batch"].batch
+        mask = batch["response_mask"].bool()
+        advantages[estimator] = batch["advantages"][mask]
+        if estimator in ("grpo", "rloo"):  # a baseline from the prompt's own group: the n responses sum to ~0
+            per_response = batch["advantages"][:, 0].view(-1, 4)
+            scores = batch["token_level_scores"].sum(-1).view(-1, 4)
+            varied = scores.std(dim=1) > 0
+            assert varied.any(), "degenerate batch: every group has identical rewards"
+            assert per_response[varied].sum(dim=1).abs().max() < 1e-4
+        if estimator == "remax":
+            assert "reward_baselines" in batch.keys()
+    names = list(advantages)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            same_shape = advantages[first].shape == advantages[second].shape
+            assert not (same_shape and torch.allclose(advantages[first], advantages[second])), (first, second)
+
+
 # ----------------------------------------------------------------------------- batches
 @pytest.mark.parametrize("private", [False, True], ids=["shuffled", "poisson"])
 def test_each_pass_over_the_prompts_is_drawn_afresh(tiny_config, private):
