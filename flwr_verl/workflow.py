@@ -18,6 +18,7 @@ message. The steps here replace them:
 from __future__ import annotations
 
 import time
+from functools import partial
 from logging import INFO, WARNING
 
 from flwr.common import Code, Message, MessageType, log
@@ -41,9 +42,11 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
              timeout: float) -> tuple[list, list]:
     """Send each ``(proxy, FitIns | EvaluateIns)`` and collect replies for at most ``timeout``
     seconds; return ``(results, failures)`` as the legacy strategy API expects them."""
-    to_recorddict, from_recorddict = (
-        (compat.fitins_to_recorddict, compat.recorddict_to_fitres) if message_type == MessageType.TRAIN
-        else (compat.evaluateins_to_recorddict, compat.recorddict_to_evaluateres))
+    if message_type == MessageType.TRAIN:
+        to_recorddict, from_recorddict = compat.fitins_to_recorddict, partial(compat.recorddict_to_fitres,
+                                                                              keep_input=False)
+    else:
+        to_recorddict, from_recorddict = compat.evaluateins_to_recorddict, compat.recorddict_to_evaluateres
     proxies = {proxy.node_id: proxy for proxy, _ in instructions}
     messages = [Message(content=to_recorddict(ins, True), dst_node_id=proxy.node_id, message_type=message_type,
                         group_id=str(server_round)) for proxy, ins in instructions]
@@ -51,7 +54,7 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
     results, failures = [], []
     for reply in replies:
         if reply.has_content():
-            res = from_recorddict(reply.content, False)
+            res = from_recorddict(reply.content)
             (results if res.status.code == Code.OK else failures).append((proxies[reply.metadata.src_node_id], res))
         else:
             failures.append(Exception(reply.error))

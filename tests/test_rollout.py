@@ -35,7 +35,10 @@ def tokenizer(model_path):
 
 
 def rollout(tokenizer, scripted: torch.Tensor, response_length: int):
-    rows = arithmetic_rows(scripted.shape[0], seed=0)
+    """Prompts of different lengths, so that left padding is exercised."""
+    texts = ["1+2=", "12+3=", "12+34=", "3+45="][: scripted.shape[0]]
+    rows = [{**row, "prompt": [{"role": "user", "content": text}]}
+            for row, text in zip(arithmetic_rows(len(texts), seed=0), texts)]
     config = RolloutConfig(n=1, response_length=response_length)
     return generate(ScriptedModel(scripted), tokenizer, rows, config, max_prompt_length=64).batch
 
