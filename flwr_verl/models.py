@@ -88,8 +88,8 @@ def check_target_modules(config: ModelConfig, base: torch.nn.Module) -> None:
     if unmatched:
         linear = sorted({name.rpartition(".")[2] for name, module in base.named_modules()
                          if isinstance(module, (torch.nn.Linear, Conv1D))})
-        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: {', '.join(unmatched)} "
-                             f"match no module of this model; its linear modules: {', '.join(linear)} "
+        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: no module of this model matches "
+                             f"{', '.join(map(repr, unmatched))}; its linear modules: {', '.join(linear)} "
                              "(or 'all-linear')")
 
 

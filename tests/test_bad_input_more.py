@@ -42,10 +42,10 @@ def no_training(monkeypatch):
 
 # ----------------------------------------------------------------------------- model.target_modules
 def test_target_module_name_that_matches_nothing_is_an_error():
-    with pytest.raises(ModelLoadError, match=rf"model\.target_modules='q_proj,nope': nope match no module of "
-                                             rf"this model; its linear modules: {LINEAR} \(or 'all-linear'\)"):
+    with pytest.raises(ModelLoadError, match=rf"model\.target_modules='q_proj,nope': no module of this model "
+                                             rf"matches 'nope'; its linear modules: {LINEAR} \(or 'all-linear'\)"):
         build_models(ModelConfig(target_modules="q_proj,nope"), with_critic=False)
-    with pytest.raises(ModelLoadError, match=r"model\.target_modules='v_proj, qproj': qproj match no module"):
+    with pytest.raises(ModelLoadError, match=r"model\.target_modules='v_proj, qproj': no module of this model matches 'qproj';"):
         load_critic(ModelConfig(target_modules="v_proj, qproj"), torch.device("cpu"))
 
 
