@@ -50,7 +50,7 @@ from flwr.client import NumPyClient
 
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
-from flwr_verl.models import Models, build_models
+from flwr_verl.models import Models, build_models, check_lengths
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
 from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, TrainingSummary
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
@@ -138,10 +138,12 @@ class VerlClient(NumPyClient):
             raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
                               f"it must be below 1/N = {1 / len(train_rows):.3g} (at delta >= 1/N a mechanism may "
                               "publish one prompt outright and still meet the guarantee)")
-        compute_score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
+        compute_score = checked(compute_score or resolve_compute_score(config.custom_reward_function, config.data),
+                                config.custom_reward_function.clip)
         preflight_reward(compute_score, train_rows or val_rows)
-        self.trainer = LocalPPOTrainer(config, train_rows, models=models or cached_models(config),
-                                       compute_score=compute_score)
+        models = models or cached_models(config)
+        check_lengths(config, models, train_rows + val_rows)
+        self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score)
         self.adapters = self.trainer.models.adapters
         self.state = state if state is not None else ConfigRecord()
 

@@ -104,15 +104,20 @@ class RewardConfig:
     """verl's ``custom_reward_function``: ``path`` to a .py file and the ``name`` of its function.
 
     Empty ``path``: the task generator's own scorer, else verl's ``default_compute_score``.
+    ``clip`` (ours; verl has no reward clipping key) bounds every score to [-clip, clip]; at 0 a
+    score beyond +-1e6 stops the run instead (``rewards.checked``).
     """
 
     path: str = ""
     name: str = "compute_score"
+    clip: float = 0.0
 
     def __post_init__(self) -> None:
         if self.path:
             require(Path(self.path).is_file(), "custom_reward_function.path", self.path, "must be an existing .py file")
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "must be a Python identifier")
+        require(math.isfinite(self.clip) and self.clip >= 0, "custom_reward_function.clip", self.clip,
+                "must be a finite number >= 0 (0 = off)")
 
 
 @dataclass

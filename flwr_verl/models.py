@@ -3,6 +3,11 @@ critic), and the adapter weights as the arrays that federated learning exchanges
 
 The reference policy for KL is the policy with its adapter disabled
 (``peft_model.disable_adapter()``), so no second copy of the base weights exists.
+
+Checked against the loaded model, before any training (each error names the keys involved):
+every name in ``model.target_modules`` must match a module (PEFT silently skips names that match
+none as long as one matches), and a rollout's prompt plus response must fit the model's
+positions (``check_lengths``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers.pytorch_utils import Conv1D
 
-from flwr_verl.config import FlwrVerlError, ModelConfig
+from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, ModelConfig
+from flwr_verl.data import Row, prompt_text
 from flwr_verl.embedded import embedded_model_path
 
 
@@ -52,16 +59,46 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
-def _lora_config(config: ModelConfig, task_type: TaskType, modules_to_save: list[str] | None = None) -> LoraConfig:
+def _target_modules(config: ModelConfig) -> str | list[str]:
+    """``model.target_modules`` as PEFT takes it: "all-linear", or a list of module names."""
     targets = config.target_modules.strip()
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+
+
+def _lora_config(config: ModelConfig, task_type: TaskType, modules_to_save: list[str] | None = None) -> LoraConfig:
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        target_modules=_target_modules(config),
         task_type=task_type,
         modules_to_save=modules_to_save,
     )
+
+
+def check_target_modules(config: ModelConfig, base: torch.nn.Module) -> None:
+    """Every name in ``model.target_modules`` must match a module of ``base``, as PEFT matches a
+    name (the full module path or its last components). PEFT itself fails only when no name
+    matches: ``q_proj,nope`` would silently train q_proj alone."""
+    targets = _target_modules(config)
+    if targets == "all-linear":
+        return
+    names = [name for name, _ in base.named_modules()]
+    unmatched = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        linear = sorted({name.rpartition(".")[2] for name, module in base.named_modules()
+                         if isinstance(module, (torch.nn.Linear, Conv1D))})
+        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: no module of this model matches "
+                             f"{', '.join(map(repr, unmatched))}; its linear modules: {', '.join(linear)} "
+                             "(or 'all-linear')")
+
+
+def _adapted(base: torch.nn.Module, config: ModelConfig, lora: LoraConfig) -> PeftModel:
+    check_target_modules(config, base)
+    try:
+        return get_peft_model(base, lora)
+    except ValueError as error:
+        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: {error}") from error
 
 
 def _dtype(config: ModelConfig) -> torch.dtype:
@@ -75,11 +112,7 @@ def load_policy(config: ModelConfig, device: torch.device) -> PeftModel:
         base = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(config), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model.path={str(path)!r} is not a loadable Hugging Face causal LM: {error}") from error
-    try:
-        model = get_peft_model(base, _lora_config(config, TaskType.CAUSAL_LM))
-    except ValueError as error:
-        raise ModelLoadError(f"model.target_modules={config.target_modules!r}: {error}") from error
-    return model.to(device)
+    return _adapted(base, config, _lora_config(config, TaskType.CAUSAL_LM)).to(device)
 
 
 def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
@@ -98,8 +131,7 @@ def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
             f"(needed by algorithm.adv_estimator='gae'): {error}"
         ) from error
     head = next(name for name in ("score", "classifier") if hasattr(base, name))
-    model = get_peft_model(base, _lora_config(config, TaskType.TOKEN_CLS, modules_to_save=[head]))
-    return model.to(device)
+    return _adapted(base, config, _lora_config(config, TaskType.TOKEN_CLS, modules_to_save=[head])).to(device)
 
 
 @dataclass
@@ -129,6 +161,31 @@ def build_models(config: ModelConfig, with_critic: bool, seed: int = 0) -> Model
     tokenizer = load_tokenizer(resolve_model_path(config))
     critic = load_critic(config, device) if with_critic else None
     return Models(tokenizer=tokenizer, policy=policy, critic=critic, device=device)
+
+
+def check_lengths(config: EngineConfig, models: Models, rows: list[Row]) -> None:
+    """A rollout's sequence, its prompt (cut to ``data.max_prompt_length`` tokens) plus
+    ``rollout.response_length`` new tokens, must fit the model's ``max_position_embeddings``.
+
+    The rule counts the prompts that are actually there: positions needed = min(data.max_prompt_length,
+    the longest of ``rows``' prompts in tokens) + rollout.response_length. So the embedded model (64
+    positions) passes under the default max_prompt_length of 256 with its short prompts, and a
+    long prompt fails here rather than being cut to a length the model cannot hold. The prompts
+    are tokenized only when the configured sum exceeds the limit.
+    """
+    limit = getattr(models.policy.config, "max_position_embeddings", None)
+    prompt, response = config.data.max_prompt_length, config.rollout.response_length
+    if limit is None or prompt + response <= limit:
+        return
+    texts = [prompt_text(row, models.tokenizer) for row in rows]
+    longest = max((len(ids) for ids in models.tokenizer(texts, add_special_tokens=False)["input_ids"]), default=0)
+    if min(prompt, longest) + response > limit:
+        raise ConfigError(
+            f"data.max_prompt_length={prompt} + rollout.response_length={response} do not fit the model's "
+            f"max_position_embeddings={limit}: the longest prompt has {longest} tokens, so a rollout needs "
+            f"{min(prompt, longest) + response} positions. Allowed: data.max_prompt_length + "
+            f"rollout.response_length <= {limit} (longer prompts are cut from the left), or shorter prompts"
+        )
 
 
 @dataclass

@@ -7,10 +7,15 @@ one, the task generator's scorer, else verl's ``default_compute_score``.
 
 Scores are checked: a function that raises, or returns NaN, infinity or a non-number, stops the
 run with a ``RewardError`` naming the function and the prompt. It is never turned into 0.
+Scores are also bounded: with ``custom_reward_function.clip`` > 0 every score is clipped to
+[-clip, clip]; with clip 0 (the default) a score of magnitude above ``MAX_UNCLIPPED_SCORE`` (1e6)
+stops the run, since it is almost surely a bug (a sentinel such as 1e30) that would swamp the
+advantages, the critic's targets and any KL term in float32.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -22,6 +27,8 @@ from flwr_verl.data import task_compute_score
 
 ComputeScore = Callable[..., Any]
 PROMPT_KEY = "prompt_text"  # extra_info key that carries the decoded prompt, for error messages
+MAX_UNCLIPPED_SCORE = 1e6  # without custom_reward_function.clip, a larger |score| is an error
+_BOUND = "flwr_verl_reward_clip"  # attribute that marks a checked function (its clip)
 
 
 class RewardError(FlwrVerlError, RuntimeError):
@@ -46,11 +53,15 @@ def load_function(path: str, name: str) -> ComputeScore:
 
 
 def resolve_compute_score(reward: RewardConfig, data: DataConfig) -> ComputeScore:
+    """The configured reward function, already ``checked`` with ``reward.clip``: whoever scores
+    with it (a client, the trainer, the baseline) gets the configured bound."""
     if reward.path:
-        return load_function(reward.path, reward.name)
-    if not data.train_files:
-        return task_compute_score(data.task)
-    return default_compute_score
+        function = load_function(reward.path, reward.name)
+    elif not data.train_files:
+        function = task_compute_score(data.task)
+    else:
+        function = default_compute_score
+    return checked(function, reward.clip)
 
 
 def _label(function: ComputeScore) -> str:
@@ -60,10 +71,17 @@ def _label(function: ComputeScore) -> str:
     return f"{module}.{name}" if module in sys.modules or file is None else f"{file}:{name}"
 
 
-def checked(compute_score: ComputeScore) -> ComputeScore:
-    """Wrap ``compute_score`` so that failures and non-numbers raise a clear ``RewardError``."""
+def checked(compute_score: ComputeScore, clip: float = 0.0) -> ComputeScore:
+    """Wrap ``compute_score`` so that failures and non-numbers raise a clear ``RewardError``, and
+    its scores are bounded: clipped to [-clip, clip] when ``clip`` > 0, else an error beyond
+    +-``MAX_UNCLIPPED_SCORE``. A function that is already checked is returned as it is, so the
+    bound chosen from the config survives the later ``checked`` calls on the way to verl's
+    reward manager."""
+    if hasattr(compute_score, _BOUND):
+        return compute_score
     label = _label(compute_score)
 
+    @functools.wraps(compute_score)
     def checked_compute_score(data_source, solution_str, ground_truth, extra_info=None):
         extra_info = extra_info or {}
         where = f"reward function {label} on prompt {extra_info.get(PROMPT_KEY, '?')!r} (data_source={data_source!r})"
@@ -77,11 +95,23 @@ def checked(compute_score: ComputeScore) -> ComputeScore:
         score = result.get("score") if isinstance(result, dict) else result
         if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(float(score)):
             raise RewardError(f"{where} returned {result!r}; expected a finite float or a dict with a 'score' float")
-        return {**result, "score": float(score)} if isinstance(result, dict) else float(score)
+        score = _bounded(float(score), clip, where)
+        return {**result, "score": score} if isinstance(result, dict) else score
 
+    setattr(checked_compute_score, _BOUND, clip)
     return checked_compute_score
 
 
+def _bounded(score: float, clip: float, where: str) -> float:
+    if clip > 0:
+        return min(max(score, -clip), clip)
+    if abs(score) > MAX_UNCLIPPED_SCORE:
+        raise RewardError(f"{where} returned {score!r}; |score| above {MAX_UNCLIPPED_SCORE:g} is refused: "
+                          "rescale the function or set custom_reward_function.clip > 0 to clip scores")
+    return score
+
+
 def make_reward_manager(tokenizer, compute_score: ComputeScore) -> NaiveRewardManager:
-    """verl's reward manager around a checked ``compute_score``: DataProto in, token-level scores out."""
+    """verl's reward manager around a checked ``compute_score``: DataProto in, token-level scores out.
+    A function that is not yet checked gets the default bound (no clipping)."""
     return NaiveRewardManager(tokenizer=tokenizer, num_examine=0, compute_score=checked(compute_score))

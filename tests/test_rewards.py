@@ -46,9 +46,9 @@ def test_custom_function_loads_from_path_and_name(reward_file):
         checked(score)("any", 42, "42", {})  # an int response: `.strip()` fails in the function
 
 
-def test_default_scorers():
-    assert resolve_compute_score(RewardConfig(), DataConfig()) is embedded.compute_score
-    assert resolve_compute_score(RewardConfig(), DataConfig(train_files="x.parquet")) is default_compute_score
+def test_default_scorers():  # resolved functions come checked: __wrapped__ is the scorer itself
+    assert resolve_compute_score(RewardConfig(), DataConfig()).__wrapped__ is embedded.compute_score
+    assert resolve_compute_score(RewardConfig(), DataConfig(train_files="x.parquet")).__wrapped__ is default_compute_score
 
 
 def test_missing_file_function_or_broken_file_is_a_reward_error(reward_file, tmp_path):
