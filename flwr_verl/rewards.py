@@ -111,7 +111,7 @@ def _bounded(score: float, clip: float, where: str) -> float:
     return score
 
 
-def make_reward_manager(tokenizer, compute_score: ComputeScore) -> NaiveRewardManager:
+def make_reward_manager(tokenizer, compute_score: ComputeScore, clip: float = 0.0) -> NaiveRewardManager:
     """verl's reward manager around a checked ``compute_score``: DataProto in, token-level scores out.
-    A function that is not yet checked gets the default bound (no clipping)."""
-    return NaiveRewardManager(tokenizer=tokenizer, num_examine=0, compute_score=checked(compute_score))
+    A function that is not yet checked gets the bound ``clip`` (see ``checked``)."""
+    return NaiveRewardManager(tokenizer=tokenizer, num_examine=0, compute_score=checked(compute_score, clip))

@@ -117,7 +117,7 @@ class LocalPPOTrainer:
         self.policy, self.critic, self.tokenizer = self.models.policy, self.models.critic, self.models.tokenizer
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]  # the LoRA weights
         score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
-        self.reward_fn = make_reward_manager(self.tokenizer, score)
+        self.reward_fn = make_reward_manager(self.tokenizer, score, config.custom_reward_function.clip)
         actor, algorithm = config.actor, config.algorithm
         self.actor_config = VerlActorConfig(
             strategy="fsdp", rollout_n=config.rollout.n, ppo_mini_batch_size=actor.ppo_mini_batch_size,
