@@ -84,5 +84,18 @@ def run_server(grid: Grid, context: Context) -> Path:
                  f"({kept[-1]}); resume=true continues from it" if kept else "no round was completed")
         log(WARNING, "flwr-verl: the global adapter was not changed by the failed round; %s", where)
         raise
-    log(INFO, "flwr-verl: finished; outputs in %s", run.path)
+    log(INFO, "flwr-verl: finished; %s; outputs in %s", summary(run.records()), run.path)
     return run.path
+
+
+def summary(records: list[dict]) -> str:
+    """Where held-out accuracy started (round 0) and ended, and the epsilon spent."""
+    evaluated = [r for r in records if "accuracy" in r.get("evaluate", {})]
+    parts = []
+    if evaluated:
+        first, last = evaluated[0], evaluated[-1]
+        parts.append(f"held-out accuracy {first['evaluate']['accuracy']:.3f} at round {first['round']} -> "
+                     f"{last['evaluate']['accuracy']:.3f} at round {last['round']}")
+    if spent := [r["fit"]["epsilon_total"] for r in records if "epsilon_total" in r.get("fit", {})]:
+        parts.append(f"epsilon {spent[-1]:.2f}")
+    return ", ".join(parts) or "no round was recorded"

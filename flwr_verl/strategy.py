@@ -161,6 +161,8 @@ def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, Privac
         out["epsilon_next"] = max(p.epsilon_next for p in private)
     if ledger:
         out["epsilon_total"] = max(p.epsilon_total for p in ledger.values())
+        if budgets := [p.epsilon_budget for p in ledger.values() if p.epsilon_budget > 0]:
+            out["epsilon_budget"] = min(budgets)  # the strictest budget any client has reported
     return out
 
 

@@ -17,6 +17,7 @@ message. The steps here replace them:
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from logging import INFO, WARNING
@@ -83,7 +84,11 @@ class RoundLoop:
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         current = current_round(legacy)
         if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
-            self.run.append_metrics({"round": 0, "evaluate": self.evaluate_round(grid, legacy, 0)})
+            evaluation = self.evaluate_round(grid, legacy, 0)
+            self.run.append_metrics({"round": 0, "evaluate": evaluation})
+            if "accuracy" in evaluation:
+                log(INFO, "round 0/%s: held-out accuracy %.3f before training", self.federation.num_server_rounds,
+                    evaluation["accuracy"])
         if self.secure_fit is not None:
             self.secure_fit(grid, legacy)
         else:
@@ -103,6 +108,7 @@ class RoundLoop:
             record["evaluate"] = evaluation
         self.run.append_metrics(record)
         self.run.plot()
+        log(INFO, "%s", progress_line(record, self.federation.num_server_rounds))
 
     def save(self, state: dict, final: bool) -> None:
         saved = self.run.save(state, final=final)
@@ -129,6 +135,20 @@ class RoundLoop:
                                      self.federation.evaluate_timeout)
         _, metrics = self.strategy.aggregate_evaluate(server_round, results, failures)
         return {**metrics, "seconds": time.perf_counter() - start} if metrics else {}
+
+
+def progress_line(record: dict, rounds: int) -> str:
+    """One line per round: sampled reward before and after local training, held-out accuracy,
+    epsilon so far against the strictest budget, seconds, and bytes up and down."""
+    fit, evaluation = record.get("fit", {}), record.get("evaluate", {})
+    parts = [f"reward {fit.get('reward_before', math.nan):.3f} -> {fit.get('reward_after', math.nan):.3f}",
+             f"held-out accuracy {evaluation['accuracy']:.3f}" if "accuracy" in evaluation else "not evaluated"]
+    if "epsilon_total" in fit:
+        budget = f" of budget {fit['epsilon_budget']:g}" if "epsilon_budget" in fit else ""
+        parts.append(f"epsilon {fit['epsilon_total']:.2f}{budget}")
+    parts += [f"{record.get('seconds', math.nan):.1f} s",
+              f"{fit.get('bytes_sent', 0) / 1e6:.2f} MB up, {fit.get('bytes_received', 0) / 1e6:.2f} MB down"]
+    return f"round {record['round']}/{rounds}: " + " | ".join(parts)
 
 
 def current_round(legacy: LegacyContext) -> int:

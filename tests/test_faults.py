@@ -574,3 +574,16 @@ def test_a_torn_last_metrics_line_is_dropped_and_run_names_never_collide(tmp_pat
     with open(run.path / "metrics.jsonl", "a") as handle:
         handle.write('{"round": 2, "fi')  # killed during an append
     assert [r["round"] for r in run.records()] == [1]
+
+
+def test_the_progress_line_and_the_summary_tell_the_story():
+    from flwr_verl.server import summary
+    from flwr_verl.workflow import progress_line
+
+    record = {"round": 3, "seconds": 21.3, "evaluate": {"accuracy": 0.5625},
+              "fit": {"reward_before": 0.2, "reward_after": 0.3, "epsilon_total": 5.6, "epsilon_budget": 8.0,
+                      "bytes_sent": 313344.0, "bytes_received": 626688.0}}
+    assert progress_line(record, 8) == ("round 3/8: reward 0.200 -> 0.300 | held-out accuracy 0.562 | epsilon 5.60 "
+                                        "of budget 8 | 21.3 s | 0.31 MB up, 0.63 MB down")
+    assert summary([{"round": 0, "evaluate": {"accuracy": 0.37}}, record]) == \
+        "held-out accuracy 0.370 at round 0 -> 0.562 at round 3, epsilon 5.60"
