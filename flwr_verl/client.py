@@ -52,7 +52,15 @@ from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models, check_lengths
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
-from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, TrainingSummary
+from flwr_verl.protocol import (
+    STATUS_BUDGET,
+    STATUS_OK,
+    FitConfig,
+    FitReport,
+    PreflightConfig,
+    PrivacyReport,
+    TrainingSummary,
+)
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
 from flwr_verl.trainer import LocalPPOTrainer
@@ -150,6 +158,18 @@ class VerlClient(NumPyClient):
     # ------------------------------------------------------------------ Flower API
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
         return self.adapters.get_arrays()
+
+    def get_properties(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The preflight (``protocol.PreflightConfig``): building this client already loaded its
+        model and data and scored one response; here the batch sizes and SecAgg+ bounds are
+        checked against its own data. Any problem raises, and reaches the server as one line."""
+        instructions = PreflightConfig.from_config(config)
+        sample_rate(self.config.data.train_batch_size, len(self.train_rows))
+        if instructions.secagg and len(self.train_rows) > instructions.secagg.max_weight:
+            raise ConfigError(f"secagg.max-weight={instructions.secagg.max_weight:g} is invalid: this client has "
+                              f"{len(self.train_rows)} training prompts, and SecAgg+ would overflow a larger weight; "
+                              "raise secagg.max-weight to at least every client's number of prompts")
+        return {"status": STATUS_OK}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         start = time.perf_counter()

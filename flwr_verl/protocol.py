@@ -89,6 +89,26 @@ class FitConfig:
 
 
 @dataclass(frozen=True)
+class PreflightConfig:
+    """Sent to every client before the first round: check everything that can be checked
+    against your own data (model, data, reward function, batch sizes, SecAgg+ bounds) now."""
+
+    secagg: SecAggBounds | None = None
+
+    def to_config(self) -> dict[str, bool | int | float | str]:
+        if self.secagg is None:
+            return {"secure": False}
+        return {"secure": True, "secagg_clipping_range": self.secagg.clipping_range,
+                "secagg_max_weight": self.secagg.max_weight}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> PreflightConfig:
+        if not _read(config, "secure", bool):
+            return cls()
+        return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)))
+
+
+@dataclass(frozen=True)
 class TrainingSummary:
     """One fit's training metrics, on the client's private training prompts."""
 

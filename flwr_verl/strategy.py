@@ -55,6 +55,7 @@ from flwr.common import (
     EvaluateRes,
     FitIns,
     FitRes,
+    GetPropertiesIns,
     NDArrays,
     Parameters,
     Scalar,
@@ -74,6 +75,7 @@ from flwr_verl.protocol import (
     EvaluateReport,
     FitConfig,
     FitReport,
+    PreflightConfig,
     PrivacyReport,
     ProtocolError,
     SecAggBounds,
@@ -82,14 +84,18 @@ from flwr_verl.protocol import (
 from flwr_verl.secagg import MAX_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
-# The one-line error reply of a client that left a SecAgg+ round for its privacy budget
-# (``mods.concise_errors`` names it by client id, or by partition id, its default client id).
-BUDGET_REFUSAL = re.compile(r"^(?:client|partition) (?P<client_id>\S+): PrivacyBudgetExhausted: ")
+# A client's one-line error reply, as ``mods.concise_errors`` writes it: "client <id>: <error>"
+# (or "partition <i>: <error>", the partition id being the default client id).
+CLIENT_ERROR = re.compile(r"^(?:client|partition) (?P<client_id>\S+): (?P<error>.*?)(?: \(Flower error code \d+\))?$")
 MAX_REASON = 400  # characters of one client's failure reason kept in logs and errors
 
 
 class RoundFailed(FlwrVerlError, RuntimeError):
     """No client update could be aggregated in a round."""
+
+
+class PreflightFailed(RoundFailed):
+    """A client cannot train with this config on its own data; found before any training."""
 
 
 class StopFederation(Exception):
@@ -240,7 +246,7 @@ class FedProxAdapters(Strategy):
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         self._round_start = time.perf_counter()
-        self._wait_for_clients(server_round, client_manager, self.config.min_available_clients)
+        self.wait_for_clients(server_round, client_manager)
         excluded = {cid for cid, client_id in self.client_ids.items() if client_id in self.exhausted}
         num_available = client_manager.num_available()
         eligible = num_available - len(excluded & set(client_manager.all()))
@@ -258,9 +264,10 @@ class FedProxAdapters(Strategy):
         return [(client, FitIns(parameters, self._fit_config(server_round, client).to_config()))
                 for client in clients]
 
-    def _wait_for_clients(self, server_round: int, client_manager: ClientManager, count: int) -> None:
-        """Wait up to ``connect-timeout`` for ``count`` connected clients, then fail with what to change
-        (Flower's own ``sample`` would wait 24 hours without a word)."""
+    def wait_for_clients(self, server_round: int, client_manager: ClientManager) -> None:
+        """Wait up to ``connect-timeout`` for ``min-available-clients`` connected clients, then fail
+        with what to change (Flower's own ``sample`` would wait 24 hours without a word)."""
+        count = self.config.min_available_clients
         if client_manager.wait_for(count, timeout=self.config.connect_timeout):
             return
         secagg = (" SecAgg+ needs at least 3 clients: with fewer, set secagg.enabled=false."
@@ -292,8 +299,8 @@ class FedProxAdapters(Strategy):
         for proxy, _, report in reports:
             self._note(proxy, report)
         for message in messages:  # under SecAgg+ a refusing client leaves the round with this error
-            if refusal := BUDGET_REFUSAL.match(message):
-                self.exhausted.setdefault(refusal["client_id"], message)
+            if (error := CLIENT_ERROR.match(message)) and error["error"].startswith("PrivacyBudgetExhausted: "):
+                self.exhausted.setdefault(error["client_id"], message)
         refused = [r for _, _, r in reports if r.status == STATUS_BUDGET]
         contributing = [(p, res, r) for p, res, r in reports if res.num_examples > 0 and r.status != STATUS_BUDGET]
         if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
@@ -359,6 +366,28 @@ class FedProxAdapters(Strategy):
             weight.grad = -torch.as_tensor(np.asarray(update), dtype=torch.float64, device="cpu")
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ preflight
+    def configure_preflight(self, server_round: int,
+                            client_manager: ClientManager) -> list[tuple[ClientProxy, GetPropertiesIns]]:
+        """Every connected client, once the federation is large enough, gets a ``PreflightConfig``."""
+        self.wait_for_clients(server_round, client_manager)
+        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation).to_config())
+        return [(proxy, ins) for proxy in client_manager.all().values()]
+
+    def check_preflight(self, server_round: int, results: list, failures: list) -> None:
+        """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients."""
+        if not failures:
+            log(INFO, "preflight: %s clients ready", len(results))
+            return
+        by_error: dict[str, list[str]] = {}
+        for message in describe_failures(failures):
+            match = CLIENT_ERROR.match(message)
+            by_error.setdefault(match["error"] if match else message, []).append(match["client_id"] if match else "?")
+        lines = [f"clients {', '.join(sorted(who))}: {error}" for error, who in by_error.items()]
+        raise PreflightFailed(f"round {self.round_number(server_round)}: preflight: {len(failures)} of "
+                              f"{len(results) + len(failures)} clients cannot train; nothing was trained:\n  "
+                              + "\n  ".join(lines))
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(self, server_round: int, parameters: Parameters,

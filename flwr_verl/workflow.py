@@ -8,7 +8,10 @@ message. The steps here replace them:
 - ``exchange``: send the strategy's legacy instructions and collect the replies until a deadline;
   a node that does not answer in time is a failure of the round that names the node.
 - ``RoundLoop``: the fit and evaluate steps that ``DefaultWorkflow`` runs each round. Before the
-  first round of a fresh run it evaluates the initial adapter (round 0). After a fit it writes
+  first round of a run it sends every connected client a preflight (``protocol.PreflightConfig``:
+  each checks its model, data, reward function and batch sizes against its own data) and ends
+  the run with one line per distinct error if any client cannot train; before the first round of
+  a fresh run it evaluates the initial adapter (round 0). After a fit it writes
   the checkpoint at once, before evaluating, so a round whose evaluation never ends is not lost.
   Evaluation goes to whoever is connected, with a deadline.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
@@ -23,6 +26,7 @@ from functools import partial
 from logging import INFO, WARNING
 
 from flwr.common import Code, Message, MessageType, log
+from flwr.common.constant import MessageTypeLegacy
 import flwr.compat.common.recorddict_compat as compat
 from flwr.server import Grid, LegacyContext
 from flwr.server.client_proxy import ClientProxy
@@ -35,6 +39,16 @@ from flwr_verl.rundir import RunDirectory
 from flwr_verl.strategy import FedProxAdapters, RoundFailed, describe_failures
 
 
+# Legacy instructions to Flower's records and replies back, per message type.
+CONVERTERS = {
+    MessageType.TRAIN: (partial(compat.fitins_to_recorddict, keep_input=True),
+                        partial(compat.recorddict_to_fitres, keep_input=False)),
+    MessageType.EVALUATE: (partial(compat.evaluateins_to_recorddict, keep_input=True),
+                           compat.recorddict_to_evaluateres),
+    MessageTypeLegacy.GET_PROPERTIES: (compat.getpropertiesins_to_recorddict, compat.recorddict_to_getpropertiesres),
+}
+
+
 class NoReply(Exception):
     """A sampled node sent no reply before the deadline."""
 
@@ -43,13 +57,9 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
              timeout: float) -> tuple[list, list]:
     """Send each ``(proxy, FitIns | EvaluateIns)`` and collect replies for at most ``timeout``
     seconds; return ``(results, failures)`` as the legacy strategy API expects them."""
-    if message_type == MessageType.TRAIN:
-        to_recorddict, from_recorddict = compat.fitins_to_recorddict, partial(compat.recorddict_to_fitres,
-                                                                              keep_input=False)
-    else:
-        to_recorddict, from_recorddict = compat.evaluateins_to_recorddict, compat.recorddict_to_evaluateres
+    to_recorddict, from_recorddict = CONVERTERS[message_type]
     proxies = {proxy.node_id: proxy for proxy, _ in instructions}
-    messages = [Message(content=to_recorddict(ins, True), dst_node_id=proxy.node_id, message_type=message_type,
+    messages = [Message(content=to_recorddict(ins), dst_node_id=proxy.node_id, message_type=message_type,
                         group_id=str(server_round)) for proxy, ins in instructions]
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     results, failures = [], []
@@ -83,6 +93,8 @@ class RoundLoop:
 
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         current = current_round(legacy)
+        if current == 1:  # the first round of this run, fresh or resumed
+            self.preflight(grid, legacy, current)
         if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
             evaluation = self.evaluate_round(grid, legacy, 0)
             self.run.append_metrics({"round": 0, "evaluate": evaluation})
@@ -101,6 +113,14 @@ class RoundLoop:
         last = round_number == self.federation.num_server_rounds
         if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
             self.save(state, final=last)
+
+    def preflight(self, grid: Grid, legacy: LegacyContext, server_round: int) -> None:
+        """Before anything trains, every connected client checks the config against its own
+        data; problems end the run with one line per distinct error."""
+        instructions = self.strategy.configure_preflight(server_round, legacy.client_manager)
+        results, failures = exchange(grid, instructions, MessageTypeLegacy.GET_PROPERTIES, server_round,
+                                     self.federation.evaluate_timeout)
+        self.strategy.check_preflight(server_round, results, failures)
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
         record = dict(self.strategy.state_dict()["last_round"])

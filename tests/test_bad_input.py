@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from flwr.app import DEFAULT_TTL, Context, Message, MessageType, Metadata, RecordDict
+from flwr.app import DEFAULT_TTL, Context, Error, Message, MessageType, Metadata, RecordDict
 from flwr.common import FitIns, ndarrays_to_parameters
 from flwr.common.config import flatten_dict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
@@ -232,3 +232,38 @@ def test_flwr_run_with_a_bad_config_fails_cleanly_before_training(tmp_path):
     assert "Traceback" not in log, log
     assert not run_directories(out)  # stopped before a run directory, a model or a client
     assert status == "finished:failed", status
+
+
+def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_clients(tiny_config):
+    """Before round 1 every client checks the config against its own data. A batch that one
+    client's prompts cannot fill is one line naming the clients, not a SecAgg+ halt in round 1."""
+    from flwr.common import Code, GetPropertiesRes, Status
+    from flwr.common.constant import ErrorCode
+
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.protocol import PreflightConfig, SecAggBounds
+    from flwr_verl.strategy import FedProxAdapters, PreflightFailed
+    from tests.flower_harness import FakeClientManager
+
+    config = tiny_config(data={"train_batch_size": 16}, actor={"ppo_mini_batch_size": 8})
+    rows = load_rows(config.data, "train", 0)
+    small = VerlClient(config, rows[:10], [], partition_id=1)
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=16 with 10 private prompts"):
+        small.get_properties(PreflightConfig().to_config())
+    with pytest.raises(ConfigError, match=r"secagg.max-weight=8 is invalid: this client has 32 training prompts"):
+        VerlClient(config, rows, [], partition_id=0).get_properties(PreflightConfig(SecAggBounds(1.0, 8.0)).to_config())
+    assert VerlClient(config, rows, [], partition_id=0).get_properties(PreflightConfig().to_config()) == {"status": "ok"}
+
+    strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3),
+                               [np.zeros(2, np.float32)], local_iterations=1)
+    manager = FakeClientManager(["a", "b", "c"])
+    assert len(strategy.configure_preflight(1, manager)) == 3
+    reason = "data.train_batch_size=16 with 10 private prompts gives sample rate q=1.6"
+    failures = [Exception(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"partition {p}: ConfigError: {reason}"))
+                for p in (1, 2)]
+    ok = [(manager.clients["a"], GetPropertiesRes(Status(Code.OK, ""), {"status": "ok"}))]
+    with pytest.raises(PreflightFailed) as error:
+        strategy.check_preflight(1, ok, failures)
+    assert str(error.value) == ("round 1: preflight: 2 of 3 clients cannot train; nothing was trained:\n"
+                                f"  clients 1, 2: ConfigError: {reason}")
+    strategy.check_preflight(1, ok, [])  # all ready: no error
