@@ -94,6 +94,10 @@ class RoundFailed(FlwrVerlError, RuntimeError):
     """No client update could be aggregated in a round."""
 
 
+class NoReply(Exception):
+    """A sampled node sent no reply before the deadline."""
+
+
 class PreflightFailed(RoundFailed):
     """A client cannot train with this config on its own data; found before any training."""
 
@@ -376,7 +380,13 @@ class FedProxAdapters(Strategy):
         return [(proxy, ins) for proxy in client_manager.all().values()]
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:
-        """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients."""
+        """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients. A
+        node that did not answer in time only gets a warning: the rounds' own fault handling
+        (dropouts, deadlines) deals with it, while an error it did report would recur each round."""
+        silent = [f for f in failures if isinstance(f, NoReply)]
+        failures = [f for f in failures if not isinstance(f, NoReply)]
+        for failure in silent:
+            log(WARNING, "preflight: %s", failure)
         if not failures:
             log(INFO, "preflight: %s clients ready", len(results))
             return

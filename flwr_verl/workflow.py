@@ -36,7 +36,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 
 from flwr_verl.config import FederationConfig
 from flwr_verl.rundir import RunDirectory
-from flwr_verl.strategy import FedProxAdapters, RoundFailed, describe_failures
+from flwr_verl.strategy import FedProxAdapters, NoReply, RoundFailed, describe_failures
 
 
 # Legacy instructions to Flower's records and replies back, per message type.
@@ -47,10 +47,6 @@ CONVERTERS = {
                            compat.recorddict_to_evaluateres),
     MessageTypeLegacy.GET_PROPERTIES: (compat.getpropertiesins_to_recorddict, compat.recorddict_to_getpropertiesres),
 }
-
-
-class NoReply(Exception):
-    """A sampled node sent no reply before the deadline."""
 
 
 def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,

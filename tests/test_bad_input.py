@@ -267,3 +267,6 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
     assert str(error.value) == ("round 1: preflight: 2 of 3 clients cannot train; nothing was trained:\n"
                                 f"  clients 1, 2: ConfigError: {reason}")
     strategy.check_preflight(1, ok, [])  # all ready: no error
+    from flwr_verl.strategy import NoReply
+
+    strategy.check_preflight(1, ok, [NoReply("node 7 sent no get_properties reply within 600 s")])  # a warning
