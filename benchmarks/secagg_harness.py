@@ -51,6 +51,7 @@ from flwr.client import Client, ClientApp, NumPyClient  # noqa: E402
 from deploy.launch import MARKER, base_env, kill_processes, processes_with_env  # noqa: E402
 from deploy.simulation import ray_env  # noqa: E402
 from flwr_verl.mods import secaggplus_when_requested  # noqa: E402
+from flwr_verl.protocol import STATUS_OK, FitConfig, FitReport  # noqa: E402
 from flwr_verl.secagg import check_update, exact_update  # noqa: E402
 
 SPEC_ENV = "FLWR_VERL_SECAGG_SPEC"  # env var: path of the run's spec (JSON)
@@ -130,10 +131,12 @@ class FixedUpdateClient(NumPyClient):
         num_examples = int(spec["num_examples"][self.partition_id])
         update = client_output(spec, self.partition_id, parameters, str(config["update_format"]),
                                str(config["update_dtype"]))
-        if "secagg_clipping_range" in config:
-            check_update(update, num_examples, float(config["secagg_clipping_range"]),
-                         float(config["secagg_max_weight"]))
-        return update, num_examples, {"partition_id": self.partition_id, "probe": 1000 + self.partition_id,
+        secagg = FitConfig.from_config(config).secagg
+        if secagg:
+            check_update(update, num_examples, secagg.clipping_range, secagg.max_weight)
+        report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=str(self.partition_id),
+                           bytes_received=0, bytes_sent=0)
+        return update, num_examples, {**report.to_metrics(), "probe": 1000 + self.partition_id,
                                       "loss_like": 0.1 * (self.partition_id + 1)}
 
 
@@ -238,6 +241,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     from flwr.server.workflow.default_workflows import default_fit_workflow
 
     from flwr_verl.config import FederationConfig, SecAggConfig
+    from flwr_verl.protocol import SecAggBounds
     from flwr_verl.strategy import FedProxAdapters
 
     secagg = phase.get("secagg")
@@ -274,8 +278,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     initial = initial_arrays(spec) if phase["format"] != "fixed" else [np.zeros(s, np.float32) for s in spec["shapes"]]
     strategy = MeasuredStrategy(
         federation, initial, local_iterations=1,
-        secure_aggregation=({"secagg_clipping_range": secagg["clipping_range"],
-                             "secagg_max_weight": secagg["max_weight"]} if secagg else None),
+        secure_aggregation=SecAggBounds(secagg["clipping_range"], secagg["max_weight"]) if secagg else None,
     )
     stage_seconds: dict[str, list[float]] = {}
 
@@ -313,7 +316,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     DefaultWorkflow(fit_workflow=timed_fit)(grid, legacy)
     result = {
         "name": phase["name"], "round_seconds": times, "aggregated_rounds": strategy.aggregated_rounds,
-        "failures": strategy.failures_seen, "fit_metrics": strategy.round_record.get("fit", {}),
+        "failures": strategy.failures_seen, "fit_metrics": strategy.state_dict()["last_round"].get("fit", {}),
         "memory": sampler.end(before) if sampler else None, "stage_seconds": stage_seconds,
     }
     if capture:
