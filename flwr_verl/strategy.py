@@ -226,7 +226,7 @@ class FedProxAdapters(Strategy):
             "round": self.completed_round,
             "weights": [w.detach().clone() for w in self.weights],
             "optimizer": self.optimizer.state_dict(),
-            "privacy_ledger": {cid: report.to_json_dict() for cid, report in self.privacy_ledger.items()},
+            "privacy_ledger": {client: report.to_json_dict() for client, report in self.privacy_ledger.items()},
             "client_ids": dict(self.client_ids),
             "exhausted": dict(self.exhausted),
             "last_round": self.last_round,
@@ -238,7 +238,7 @@ class FedProxAdapters(Strategy):
                 weight.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.completed_round = self.round_offset = int(state["round"])
-        self.privacy_ledger = {cid: PrivacyReport.from_json_dict(r) for cid, r in state["privacy_ledger"].items()}
+        self.privacy_ledger = {client: PrivacyReport.from_json_dict(r) for client, r in state["privacy_ledger"].items()}
         self.client_ids = dict(state["client_ids"])
         self.exhausted = dict(state["exhausted"])
         self.last_round = state["last_round"]

@@ -272,14 +272,14 @@ def test_fit_with_anchor_reports_the_term_at_the_final_weights(tiny_config):
 
 # ----------------------------------------------------------------------------- learning
 # grpo, 32 prompts x 4 responses, 2 epochs of 2 mini-batches, lr 1e-3, privacy off; about 0.25 s an
-# iteration on one idle core. Measured once over seeds 0-5 (80 iterations), sampled reward, mean of
-# the last 10 iterations minus the first 10: +0.069 to +0.106 (seed 0: +0.102); greedy accuracy on
-# 128 held-out prompts, after minus before (0.42): +0.12 to +0.23. Control, lr 1e-7 (no learning),
-# seeds 0-3: sampled -0.028 to +0.041, greedy exactly 0. The margins sit between the two.
+# iteration on one idle core. Greedy accuracy on 128 held-out prompts (validation split: disjoint
+# from the training problems by construction), measured on 2026-12-01 over seeds 0-3 (80
+# iterations): 0.39 before, gain +0.26 to +0.34 (spread 0.09). Control, lr 1e-7 (no learning),
+# seeds 0-1: gain exactly 0. The greedy margin sits between the two, far from both.
 LEARNING_ITERATIONS = 80
 WINDOW = 10
 SAMPLED_MARGIN = 0.05
-GREEDY_MARGIN = 0.08
+GREEDY_MARGIN = 0.15
 
 
 @pytest.fixture(scope="module")
