@@ -2,7 +2,7 @@
 
     python benchmarks/federation.py [--rounds 8] [--seeds 5] [--sim-rounds 4]
 
-Sizes (chosen to finish in about 8 minutes on a loaded 2-core machine): 3 clients of 256 train
+Sizes (chosen to finish in 8-12 minutes on a loaded 2-core machine): 3 clients of 256 train
 prompts each, batches of 16 prompts x 4 responses, ``trainer.local_iterations`` 4, 8 rounds,
 greedy accuracy on 3 x 64 held-out prompts. Everything else is the app's default config.
 
