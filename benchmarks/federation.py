@@ -1,26 +1,42 @@
-"""The federation against the engine alone: framework tax, bytes, and rounds to a target reward.
+"""The federation against the engine alone: rounds to a target, bytes on the wire, framework tax.
 
-    python benchmarks/federation.py [--rounds 8] [--out benchmarks/results/federation.json]
+    python benchmarks/federation.py [--rounds 8] [--seeds 5] [--sim-rounds 4]
 
-One real Flower simulation (`flwr run`, 3 supernodes, SecAgg+ on) and, side by side, the
-centralized baseline: the same engine and config on the pooled data of the 3 clients, trained in
-"round equivalents" of 3 x ``trainer.local_iterations`` iterations, so that after every round
-both have used the same number of samples. Privacy is off in both: DP noise depends on the
-dataset size (q = batch / N), which pooling changes, and the point here is the cost of federation.
+Sizes (chosen to finish in 8-12 minutes on a loaded 2-core machine): 3 clients of 256 train
+prompts each, batches of 16 prompts x 4 responses, ``trainer.local_iterations`` 4, 8 rounds,
+greedy accuracy on 3 x 64 held-out prompts. Everything else is the app's default config.
 
-Two baselines see the same samples per round: one takes as many optimizer steps as a client
-(``local_iterations`` steps on the pooled batch of all clients: the comparison that isolates
-federation), the other as many as all clients together (``clients x local_iterations`` steps
-on one client's batch size).
+1. **Rounds to target.** Three arms, each fed the same samples per round:
+   - ``federated``: 3 ``VerlClient``s and the app's ``FedProxAdapters`` (FedProx mu 0.01, server
+     optimizer sgd at lr 1), emulated in this process: a round's figures do not depend on the
+     transport, and real Flower would only add minutes;
+   - ``centralized_same_steps``: the engine on the pooled data, ``local_iterations`` steps per
+     round on a batch 3 x as large (as many optimizer steps as one client takes);
+   - ``centralized_3x_steps``: 3 x ``local_iterations`` steps per round on one client's batch.
+   Privacy is off in all arms: DP's noise is calibrated to the sample rate q = batch / N, which
+   pooling changes (3x the prompts, 3x the batch in one arm, not in the other), so no DP setting
+   is "the same" in all three, and the question here is the cost of federation alone.
+   Each arm gets its own ``actor.lr``: the best of ``--lrs`` by accuracy over the last two rounds
+   on the **tune** split (one seed, 0), disjoint from train and val by construction. The grid
+   is 3e-4, 1e-3, 3e-3: at 1e-2 both centralized arms collapsed (tune accuracy 0.29 -> 0.04 and
+   -> 0.00), and with 1e-2 in the grid every arm chose 1e-3, its lower edge. The target
+   is the round-0 accuracy plus ``delta``, chosen from those tune runs: halfway between the
+   largest round-1 gain of any arm and the smallest final gain (mean of the last two rounds), so
+   that on the tune runs no arm reaches it in round 1 and every arm reaches it eventually. Then
+   ``--seeds`` seeds (1..S: data, LoRA init, sampling) per arm at its lr, on the **val** split.
+   Reported: rounds to target per arm (median, range) and federated / centralized per seed.
+2. **Bytes on the wire** (``federation_wire.py``): the app's own ServerApp and ClientApp in this
+   process, 2 rounds each with SecAgg+ on and off, every message serialized with Flower's serde.
+3. **Framework tax**: ``--sim-rounds`` rounds of one real ``flwr run`` simulation (3
+   supernodes) with SecAgg+ on, and one with it off: a round's wall time (``seconds`` in
+   metrics.jsonl: configure_fit to aggregate_fit done, evaluation excluded) divided by the
+   clients' mean local compute (``fit.time_fit``, the num_examples-weighted mean, here the plain
+   mean: every client has 256 prompts). The slowest client's time is not recorded, and it is at
+   least the mean: round / mean is an upper bound of round / slowest. Also round / the sum of
+   the clients' compute. Median over rounds after the first (which pays the imports).
 
-Figures:
-- framework tax: a federated round's wall time divided by the sum of its clients' pure local
-  compute (``time_fit`` of each client), median over rounds after the first (which pays the
-  client processes' imports);
-- bytes up per round divided by the full model's bytes (fp32);
-- rounds to reach the target greedy reward on the pooled held-out prompts (target: the start plus
-  60% of the pooled-batch centralized run's best gain), federated divided by each centralized run.
-Writes JSON and a PNG of held-out reward per round for both.
+Writes ``benchmarks/results/federation.json`` (medians, ranges, per-seed values, chosen lrs,
+target, peak RSS) and a PNG of held-out accuracy per round per arm.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -36,23 +53,188 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # federation_wire (Opacus ships a package named "benchmarks")
 
-from flwr.common.config import parse_config_args  # noqa: E402
+import torch  # noqa: E402
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
-from flwr_verl.baseline import pooled_rows  # noqa: E402
-from flwr_verl.config import parse_run_config  # noqa: E402
-from flwr_verl.models import build_models, resolve_model_path  # noqa: E402
+from federation_wire import bytes_per_message, measure_wire  # noqa: E402
+from flwr_verl.client import VerlClient  # noqa: E402
+from flwr_verl.config import RunConfig, parse_run_config  # noqa: E402
+from flwr_verl.data import Row, load_rows  # noqa: E402
+from flwr_verl.models import build_models  # noqa: E402
+from flwr_verl.strategy import FedProxAdapters  # noqa: E402
 from flwr_verl.trainer import LocalPPOTrainer  # noqa: E402
+from tests.flower_harness import FakeClientManager  # noqa: E402
 
-NUM_CLIENTS = 3
+CLIENTS = 3
+ARMS = ("federated", "centralized_same_steps", "centralized_3x_steps")
+TUNE_SEED = 0
+BASE_CONFIG = {
+    "privacy.enabled": False, "secagg.enabled": False, "evaluate-every": 1,
+    "data.train_size": 256, "data.val_size": 64, "data.train_batch_size": 16,
+    "actor.ppo_mini_batch_size": 16, "trainer.local_iterations": 4,
+}
 
 
-def federated(run_config: dict, workdir: Path) -> list[dict]:
+# ----------------------------------------------------------------------------- rounds to target
+def run_config(rounds: int, seed: int, lr: float, **extra) -> dict:
+    return {**BASE_CONFIG, "num-server-rounds": rounds, "trainer.seed": seed, "actor.lr": lr, **extra}
+
+
+def pooled(config: RunConfig, split: str) -> list[Row]:
+    """All clients' rows of ``split`` together (the generator makes size x clients, then splits)."""
+    data = config.engine.data
+    data = dataclasses.replace(data, train_size=data.train_size * CLIENTS, val_size=data.val_size * CLIENTS)
+    return load_rows(data, split, config.engine.trainer.seed)
+
+
+def federated_curve(config: RunConfig, eval_rows: list[Row]) -> list[float]:
+    """Held-out accuracy after rounds 0..R of FedProx over 3 in-process ``VerlClient``s."""
+    engine, seed = config.engine, config.engine.trainer.seed
+    models = build_models(engine.model, with_critic=False, seed=seed)
+    clients = [VerlClient(engine, load_rows(engine.data, "train", seed, i, CLIENTS), [], partition_id=i,
+                          models=models) for i in range(CLIENTS)]
+    strategy = FedProxAdapters(config.federation, models.adapters.get_arrays(),
+                               local_iterations=engine.trainer.local_iterations)
+    manager = FakeClientManager([str(i) for i in range(CLIENTS)])
+
+    def accuracy() -> float:
+        models.adapters.set_arrays(strategy.global_arrays)
+        return clients[0].trainer.evaluate(eval_rows).accuracy
+
+    curve = [accuracy()]
+    for server_round in range(1, config.federation.num_server_rounds + 1):
+        results = []
+        for proxy, ins in strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays),
+                                                 manager):
+            update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(ins.parameters),
+                                                             dict(ins.config))
+            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), n, metrics)))
+        strategy.aggregate_fit(server_round, results, [])
+        curve.append(accuracy())
+    return curve
+
+
+def centralized_curve(config: RunConfig, eval_rows: list[Row], same_steps: bool) -> list[float]:
+    """Held-out accuracy after rounds 0..R of the engine alone on the pooled train rows, each round
+    one fit (fresh optimizer, as a client's) on all clients' samples of a round: ``same_steps``:
+    local_iterations steps on a 3x batch, else 3 x local_iterations steps on one client's batch."""
+    engine = config.engine
+    iterations = engine.trainer.local_iterations
+    if same_steps:
+        engine = dataclasses.replace(
+            engine, data=dataclasses.replace(engine.data, train_batch_size=engine.data.train_batch_size * CLIENTS),
+            actor=dataclasses.replace(engine.actor, ppo_mini_batch_size=engine.actor.ppo_mini_batch_size * CLIENTS))
+    else:
+        iterations *= CLIENTS
+    seed = engine.trainer.seed
+    trainer = LocalPPOTrainer(engine, pooled(config, "train"),
+                              models=build_models(engine.model, with_critic=False, seed=seed))
+    curve = [trainer.evaluate(eval_rows).accuracy]
+    for round_number in range(1, config.federation.num_server_rounds + 1):
+        trainer.fit(iterations, seed=seed * 1_000_003 + round_number)
+        curve.append(trainer.evaluate(eval_rows).accuracy)
+    return curve
+
+
+def curve(arm: str, rounds: int, seed: int, lr: float, split: str) -> list[float]:
+    config = parse_run_config(run_config(rounds, seed, lr))
+    rows = pooled(config, split)
+    if arm == "federated":
+        return federated_curve(config, rows)
+    return centralized_curve(config, rows, same_steps=arm == "centralized_same_steps")
+
+
+def final(values: list[float]) -> float:
+    """An arm's end point: the mean of its last two rounds (one 192-prompt round is noisy)."""
+    return statistics.mean(values[-2:])
+
+
+def tune(rounds: int, lrs: list[float]) -> dict:
+    """Per arm, the curve on the tune split at every lr, and the chosen lr."""
+    out = {}
+    for arm in ARMS:
+        curves = {lr: curve(arm, rounds, TUNE_SEED, lr, "tune") for lr in lrs}
+        best = max(lrs, key=lambda lr: final(curves[lr]))
+        out[arm] = {"lr": best, "curves": {str(lr): c for lr, c in curves.items()}, "curve": curves[best]}
+        print(f"tune {arm}: " + "; ".join(f"lr {lr:g}: {' '.join(f'{a:.3f}' for a in c)}" for lr, c in curves.items())
+              + f" -> lr {best:g}", flush=True)
+    return out
+
+
+def choose_delta(tuned: dict) -> dict:
+    """The target gain over round 0, from the tune curves at the chosen lrs."""
+    round1 = max(t["curve"][1] - t["curve"][0] for t in tuned.values())
+    smallest_final = min(final(t["curve"]) - t["curve"][0] for t in tuned.values())
+    degenerate = smallest_final <= round1
+    delta = 0.6 * smallest_final if degenerate else (round1 + smallest_final) / 2
+    return {"delta": delta, "largest_round1_gain": round1, "smallest_final_gain": smallest_final,
+            "fraction_of_smallest_final_gain": delta / smallest_final if smallest_final > 0 else None,
+            "degenerate": degenerate}
+
+
+def rounds_to(target: float, values: list[float]) -> int | None:
+    return next((r for r, a in enumerate(values) if r > 0 and a >= target), None)
+
+
+def spread(values: list[float | None]) -> dict:
+    """Median and range; None (never reached) counts as infinitely many rounds."""
+    known = sorted(float("inf") if v is None else v for v in values)
+    median = statistics.median(known)
+    return {"median": None if median == float("inf") else median, "min": known[0],
+            "max": None if known[-1] == float("inf") else known[-1], "never": sum(v is None for v in values)}
+
+
+def rounds_to_target(rounds: int, seeds: int, tuned: dict, delta: float) -> dict:
+    per_arm = {arm: {"curves": [], "rounds": []} for arm in ARMS}
+    targets = []
+    for seed in range(1, seeds + 1):
+        for arm in ARMS:
+            values = curve(arm, rounds, seed, tuned[arm]["lr"], "val")
+            if arm == ARMS[0]:
+                targets.append(values[0] + delta)  # round 0 is the same model in every arm: LoRA B = 0
+            per_arm[arm]["curves"].append(values)
+            per_arm[arm]["rounds"].append(rounds_to(targets[-1], values))
+            print(f"seed {seed} {arm}: {' '.join(f'{a:.3f}' for a in values)}; "
+                  f"target {targets[-1]:.3f} at round {per_arm[arm]['rounds'][-1]}", flush=True)
+    fed = per_arm["federated"]["rounds"]
+    result = {"targets": targets, "arms": per_arm, "ratios": {}}
+    for arm in ARMS:
+        per_arm[arm]["summary"] = spread(per_arm[arm]["rounds"])
+        per_arm[arm]["reached_in_round_1"] = sum(r == 1 for r in per_arm[arm]["rounds"])
+    for arm in ARMS[1:]:
+        pairs = [f / c if f and c else None for f, c in zip(fed, per_arm[arm]["rounds"])]
+        result["ratios"][f"federated / {arm}"] = {"per_seed": pairs, **spread(pairs)}
+    return result
+
+
+# ----------------------------------------------------------------------------- bytes on the wire
+def wire(lr: float) -> dict:
+    """Bytes per client per round, SecAgg+ on and off, against the full model's fp32 bytes."""
+    policy = build_models(parse_run_config(run_config(2, 0, lr)).engine.model, with_critic=False).policy
+    model_bytes = 4 * sum(p.numel() for name, p in policy.named_parameters() if "lora_" not in name)
+    adapter_params = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    out = {"model_fp32_bytes": model_bytes, "adapter_parameters": adapter_params}
+    for secagg in (False, True):
+        per_message = bytes_per_message(measure_wire(
+            run_config(2, 0, lr, **{"secagg.enabled": secagg, "evaluate-every": 0}), CLIENTS))
+        totals = {d: sum(s["protobuf"] for s in stages.values()) for d, stages in per_message.items()}
+        out["secagg" if secagg else "plain"] = {
+            "per_message": per_message, "per_round": totals,
+            "per_round_over_model": {d: b / model_bytes for d, b in totals.items()}}
+    # SecAgg+'s entries are mod 2**40: 5 bytes would carry what 8 carry now.
+    out["secagg_masked_vector_packed_estimate"] = 5 * adapter_params
+    return out
+
+
+# ----------------------------------------------------------------------------- framework tax
+def simulation(config: dict, workdir: Path) -> list[dict]:
     env = isolated_env(workdir)
     try:
-        proc = flwr_run_simulation(env, workdir, {**run_config, "output-dir": str(workdir / "out")},
-                                   num_supernodes=NUM_CLIENTS, timeout=1800)
+        proc = flwr_run_simulation(env, workdir, {**config, "output-dir": str(workdir / "out")},
+                                   num_supernodes=CLIENTS, timeout=900)
     finally:
         kill_tree_with_env(env["FLWR_HOME"])
     runs = sorted((workdir / "out").glob("run-*"))
@@ -61,105 +243,102 @@ def federated(run_config: dict, workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (runs[-1] / "metrics.jsonl").read_text().splitlines()]
 
 
-def centralized(run_config: dict, rounds: int, pooled_batch: bool) -> list[dict]:
-    """Per round the samples of all clients' round. ``pooled_batch``: local_iterations steps on
-    batches of clients x train_batch_size prompts (as many optimizer steps as a client takes);
-    else clients x local_iterations steps on train_batch_size prompts."""
-    config = parse_run_config(run_config).engine
-    iterations = config.trainer.local_iterations
-    if pooled_batch:
-        batch = config.data.train_batch_size * NUM_CLIENTS
-        config = dataclasses.replace(
-            config, data=dataclasses.replace(config.data, train_batch_size=batch),
-            actor=dataclasses.replace(config.actor, ppo_mini_batch_size=config.actor.ppo_mini_batch_size * NUM_CLIENTS))
-    else:
-        iterations *= NUM_CLIENTS
-    train_rows, val_rows = pooled_rows(config, NUM_CLIENTS)
-    trainer = LocalPPOTrainer(config, train_rows)
-    records = [{"round": 0, "reward": trainer.evaluate(val_rows)["reward"], "seconds": 0.0}]
-    for round_number in range(1, rounds + 1):
+def framework_tax(rounds: int, lr: float) -> dict:
+    out = {}
+    for secagg in (True, False):
         start = time.perf_counter()
-        trainer.fit(iterations, seed=round_number)
-        records.append({"round": round_number, "reward": trainer.evaluate(val_rows)["reward"],
-                        "seconds": time.perf_counter() - start})
-    return records
+        with tempfile.TemporaryDirectory() as tmp:
+            records = [r for r in simulation(run_config(rounds, 0, lr, **{"secagg.enabled": secagg}), Path(tmp))
+                       if "fit" in r]
+        later = records[1:]
+        over_mean = [r["seconds"] / r["fit"]["time_fit"] for r in later]
+        over_sum = [r["seconds"] / (r["fit"]["time_fit"] * r["fit"]["num_clients"]) for r in later]
+        out["secagg" if secagg else "plain"] = {
+            "round_seconds": [r["seconds"] for r in records], "mean_time_fit": [r["fit"]["time_fit"] for r in records],
+            "over_mean_client": statistics.median(over_mean), "over_sum_of_clients": statistics.median(over_sum),
+            "over_mean_client_per_round": over_mean, "over_sum_per_round": over_sum,
+            "wall_seconds": time.perf_counter() - start}
+    return out
 
 
-def rounds_to(target: float, rewards: list[tuple[int, float]]) -> int | None:
-    return next((r for r, reward in rewards if reward >= target), None)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "federation.json"))
-    parser.add_argument("--run-config", default="", help='overrides, as for flwr run: "key=value key2=value2"')
-    args = parser.parse_args()
-    run_config = {"num-server-rounds": args.rounds, "privacy.enabled": False,
-                  **parse_config_args([args.run_config])}
-    policy = build_models(parse_run_config(run_config).engine.model, with_critic=False).policy
-    model_bytes = 4 * sum(p.numel() for name, p in policy.named_parameters() if "lora_" not in name)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        fed = federated(run_config, Path(tmp))
-    cen = centralized(run_config, args.rounds, pooled_batch=True)
-    cen_steps = centralized(run_config, args.rounds, pooled_batch=False)
-
-    taxes = [r["seconds"] / (r["fit"]["time_fit"] * r["fit"]["num_clients"]) for r in fed[1:]]
-    bytes_ratio = statistics.median(r["fit"]["bytes_sent"] for r in fed) / model_bytes
-    start = cen[0]["reward"]
-    target = start + 0.6 * (max(r["reward"] for r in cen) - start)
-    fed_rewards = [(r["round"], r["evaluate"]["reward"]) for r in fed if "evaluate" in r]
-    cen_rewards = [(r["round"], r["reward"]) for r in cen[1:]]
-    fed_rounds, cen_rounds = rounds_to(target, fed_rewards), rounds_to(target, cen_rewards)
-    steps_rounds = rounds_to(target, [(r["round"], r["reward"]) for r in cen_steps[1:]])
-    result = {
-        "run_config": run_config, "clients": NUM_CLIENTS, "rounds": args.rounds, "model": str(resolve_model_path(parse_run_config(run_config).engine.model)),
-        "framework_tax_median": statistics.median(taxes), "framework_tax_per_round": taxes,
-        "round_seconds": [r["seconds"] for r in fed],
-        "bytes_up_per_round_over_model_bytes": bytes_ratio, "model_bytes": model_bytes,
-        "target_reward": target, "rounds_to_target_federated": fed_rounds, "rounds_to_target_centralized": cen_rounds,
-        "rounds_ratio": (fed_rounds / cen_rounds) if fed_rounds and cen_rounds else None,
-        "rounds_to_target_centralized_sequential": steps_rounds,
-        "rounds_ratio_vs_sequential": (fed_rounds / steps_rounds) if fed_rounds and steps_rounds else None,
-        "federated_eval_reward": fed_rewards, "centralized_eval_reward": [(r["round"], r["reward"]) for r in cen],
-        "centralized_sequential_eval_reward": [(r["round"], r["reward"]) for r in cen_steps],
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
-    print(f"framework tax (round time / clients' local compute): median {result['framework_tax_median']:.2f}x "
-          f"(per round: {', '.join(f'{t:.2f}' for t in taxes)})")
-    print(f"bytes up per round / full model bytes: {bytes_ratio:.3f}")
-    print(f"rounds to reward {target:.3f}: federated {fed_rounds}, centralized (pooled batch, same steps) "
-          f"{cen_rounds}: ratio {result['rounds_ratio']}; centralized ({NUM_CLIENTS}x the steps) {steps_rounds}: "
-          f"ratio {result['rounds_ratio_vs_sequential']}")
-    print(f"held-out reward per round: federated {[round(r, 3) for _, r in fed_rewards]}, "
-          f"centralized {[round(r['reward'], 3) for r in cen]}, "
-          f"centralized {NUM_CLIENTS}x steps {[round(r['reward'], 3) for r in cen_steps]}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-
-
+# ----------------------------------------------------------------------------- report
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("federated_eval_reward", "federated (3 clients)"),
-                       ("centralized_eval_reward", "centralized, pooled batch"),
-                       ("centralized_sequential_eval_reward", "centralized, 3x steps")):
-        rounds, rewards = zip(*result[key])
-        axis.plot(rounds, rewards, marker="o", label=label)
-    axis.axhline(result["target_reward"], linestyle="--", color="grey", label="target")
-    axis.set_xlabel("round (same samples)")
-    axis.set_ylabel("held-out greedy reward")
-    axis.legend()
+    fig, axis = plt.subplots(figsize=(6.5, 3.8))
+    for arm, data in result["rounds_to_target"]["arms"].items():
+        curves = data["curves"]
+        rounds = range(len(curves[0]))
+        mean = [statistics.mean(c[r] for c in curves) for r in rounds]
+        axis.plot(rounds, mean, marker="o", label=f"{arm} (lr {result['tuned'][arm]['lr']:g})")
+        axis.fill_between(rounds, [min(c[r] for c in curves) for r in rounds],
+                          [max(c[r] for c in curves) for r in rounds], alpha=0.15)
+    axis.axhline(statistics.mean(result["rounds_to_target"]["targets"]), linestyle="--", color="grey",
+                 label="target (mean over seeds)")
+    axis.set_xlabel("round (same samples in every arm)")
+    axis.set_ylabel("held-out greedy accuracy (val)")
+    axis.set_title(f"mean and range over {len(curves)} seeds", fontsize=9)
+    axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def fmt(summary: dict) -> str:
+    top = "never" if summary["max"] is None else f"{summary['max']:g}"
+    median = "never" if summary["median"] is None else f"{summary['median']:g}"
+    return f"median {median} (range {summary['min']:g}-{top})"
+
+
+def report(result: dict) -> None:
+    rtt, wire_, tax = result["rounds_to_target"], result["wire"], result["framework_tax"]
+    lrs = ", ".join(f"{arm} {t['lr']:g}" for arm, t in result["tuned"].items())
+    print(f"lrs: {lrs}; "
+          f"target = round 0 + {result['target']['delta']:.3f}")
+    for arm in ARMS:
+        print(f"rounds to target, {arm}: {fmt(rtt['arms'][arm]['summary'])}; "
+              f"per seed {rtt['arms'][arm]['rounds']}; reached in round 1: {rtt['arms'][arm]['reached_in_round_1']}")
+    for name, ratio in rtt["ratios"].items():
+        print(f"ratio {name}: {fmt(ratio)}; per seed {[None if r is None else round(r, 2) for r in ratio['per_seed']]}")
+    for mode in ("plain", "secagg"):
+        per_round, over = wire_[mode]["per_round"], wire_[mode]["per_round_over_model"]
+        print(f"bytes per client per round, {mode}: down {per_round['down']:.0f} ({over['down']:.3f} x model fp32), "
+              f"up {per_round['up']:.0f} ({over['up']:.3f} x)")
+    for mode in ("secagg", "plain"):
+        t = tax[mode]
+        print(f"framework tax, {mode}: round / mean client compute {t['over_mean_client']:.2f}x, "
+              f"round / sum of clients' compute {t['over_sum_of_clients']:.2f}x")
+    print(f"peak RSS {result['peak_rss_mib']:.0f} MiB; {result['seconds']:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--lrs", default="3e-4,1e-3,3e-3")
+    parser.add_argument("--sim-rounds", type=int, default=4)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "federation.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    tuned = tune(args.rounds, [float(x) for x in args.lrs.split(",")])
+    target = choose_delta(tuned)
+    result = {"config": BASE_CONFIG, "clients": CLIENTS, "rounds": args.rounds, "seeds": args.seeds,
+              "tuned": tuned, "target": target,
+              "rounds_to_target": rounds_to_target(args.rounds, args.seeds, tuned, target["delta"]),
+              "wire": wire(tuned["federated"]["lr"]),
+              "framework_tax": framework_tax(args.sim_rounds, tuned["federated"]["lr"])}
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    report(result)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

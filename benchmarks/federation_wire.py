@@ -1,0 +1,133 @@
+"""Bytes on the wire: the app's real messages, serialized as Flower serializes them.
+
+``measure_wire(run_config)`` runs the bundled ServerApp (``flwr_verl.server.run_server``) and
+ClientApp (``apps.client_app.app``, with its mods: SecAgg+ included) in this process, over a
+``LoopbackGrid`` that hands each message straight to the destination node's ClientApp and its
+reply straight back. Every message both ways is serialized with Flower's own protobuf serde
+(``flwr.common.serde.message_to_proto(...).SerializeToString()``), the bytes a SuperLink
+receives or sends for it, and counted per node, direction and protocol stage. Nothing is
+estimated: under SecAgg+ the masked int64 vectors, public keys and encrypted shares are the
+ones the protocol produced.
+
+Real Flower adds framing (gRPC headers, TLS records) of a few dozen bytes per message; the
+loopback skips the SuperLink's store-and-forward, which changes times, not message contents.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from types import SimpleNamespace
+
+from flwr.app import Context, Message, RecordDict
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.server import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.task_identity import TaskIdentity
+
+SECAGG_RECORD = "secaggplus_configs"  # flwr.common.secure_aggregation's RECORD_KEY_CONFIGS
+
+
+def wire_bytes(message: Message) -> tuple[int, int]:
+    """Size of ``message`` as Flower's protobuf serde writes it, and as Flower 1.42 actually
+    transports it: the sum of its deflated objects (message, records, array chunks), each pushed
+    to the SuperLink's object store separately."""
+    objects = get_all_nested_objects(message).values()
+    return len(message_to_proto(message).SerializeToString()), sum(len(o.deflate()) for o in objects)
+
+
+def over_the_wire(message: Message) -> Message:
+    """The copy the other side gets: serialized and parsed again (the workflow sends one content
+    object to several nodes, and SecAgg+'s mod changes what it receives)."""
+    return message_from_proto(message_to_proto(message))
+
+
+def stage_of(message: Message) -> str:
+    """``fit``/``evaluate`` in the clear, else the SecAgg+ stage the message belongs to."""
+    if message.metadata.message_type.startswith("evaluate"):
+        return "evaluate"
+    config = message.content.config_records.get(SECAGG_RECORD)
+    return f"secagg_{config['stage']}" if config and "stage" in config else "fit"
+
+
+class LoopbackGrid(Grid):
+    """A Grid whose nodes are ClientApps in this process, called one after the other with a
+    serialized copy of each message; counts every message's serialized bytes.
+
+    ``traffic[(node_id, direction, stage)]`` is a list with one entry per message: its
+    ``wire_bytes`` (direction ``down``: server to client, ``up``: the reply)."""
+
+    def __init__(self, client_app, node_contexts: dict[int, Context]) -> None:
+        self.client_app, self.contexts = client_app, node_contexts
+        self.traffic: dict[tuple[int, str, str], list[tuple[int, int]]] = defaultdict(list)
+        self._run = SimpleNamespace(run_id=1)  # the legacy client manager reads only the run id
+        self._replies: dict[str, Message] = {}
+
+    def set_run(self, run) -> None:
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id,
+                       ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            node, stage = message.metadata.dst_node_id, stage_of(message)
+            message.metadata.__dict__["_message_id"] = message_id = uuid.uuid4().hex
+            self.traffic[(node, "down", stage)].append(wire_bytes(message))
+            reply = self.client_app(over_the_wire(message), self.contexts[node])
+            self.traffic[(node, "up", stage)].append(wire_bytes(reply))
+            reply = over_the_wire(reply)
+            self._replies[message_id] = reply
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str], list[tuple[int, int]]]:
+    """Run the app's server and clients over a ``LoopbackGrid``; return its traffic record."""
+    from apps.client_app import app as client_app
+    from flwr_verl.server import run_server
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # a ServerApp process is told these; Message() reads them
+    with tempfile.TemporaryDirectory() as tmp:
+        config = {**run_config, "output-dir": str(Path(tmp) / "out")}
+        contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config=config,
+                                  node_config={"partition-id": node - 1, "num-partitions": num_clients})
+                    for node in range(1, num_clients + 1)}
+        grid = LoopbackGrid(client_app, contexts)
+        run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))
+    return dict(grid.traffic)
+
+
+def bytes_per_message(traffic: dict[tuple[int, str, str], list[tuple[int, int]]]) -> dict[str, dict[str, dict]]:
+    """Serialized bytes of one client's message in the last round, mean over clients, by
+    direction and stage: ``{"up": {"fit": {"protobuf": b, "objects": b}}}``. Every fit stage sends
+    one message per client per round, so this is also bytes per client per round. The last round,
+    because in round 1 the global LoRA B matrices are all zero, and identical arrays are one
+    object in Flower's object store."""
+    grouped: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    for (_, direction, stage), sizes in traffic.items():
+        grouped[(direction, stage)].append(sizes[-1])
+    out: dict[str, dict[str, dict]] = defaultdict(dict)
+    for (direction, stage), sizes in sorted(grouped.items()):
+        out[direction][stage] = {"protobuf": sum(p for p, _ in sizes) / len(sizes),
+                                 "objects": sum(o for _, o in sizes) / len(sizes)}
+    return dict(out)
