@@ -56,17 +56,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # federation_wire (Opacus ships a package named "benchmarks")
 
 import torch  # noqa: E402
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
 
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
 from federation_wire import bytes_per_message, measure_wire  # noqa: E402
 from flwr_verl.client import VerlClient  # noqa: E402
 from flwr_verl.config import RunConfig, parse_run_config  # noqa: E402
 from flwr_verl.data import Row, load_rows  # noqa: E402
+from flwr_verl.inprocess import InProcessClients, fit_round  # noqa: E402
 from flwr_verl.models import build_models  # noqa: E402
 from flwr_verl.strategy import FedProxAdapters  # noqa: E402
 from flwr_verl.trainer import LocalPPOTrainer  # noqa: E402
-from tests.flower_harness import FakeClientManager  # noqa: E402
 
 CLIENTS = 3
 ARMS = ("federated", "centralized_same_steps", "centralized_3x_steps")
@@ -98,7 +97,7 @@ def federated_curve(config: RunConfig, eval_rows: list[Row]) -> list[float]:
                           models=models) for i in range(CLIENTS)]
     strategy = FedProxAdapters(config.federation, models.adapters.get_arrays(),
                                local_iterations=engine.trainer.local_iterations)
-    manager = FakeClientManager([str(i) for i in range(CLIENTS)])
+    manager = InProcessClients({str(i): client for i, client in enumerate(clients)})
 
     def accuracy() -> float:
         models.adapters.set_arrays(strategy.global_arrays)
@@ -106,13 +105,7 @@ def federated_curve(config: RunConfig, eval_rows: list[Row]) -> list[float]:
 
     curve = [accuracy()]
     for server_round in range(1, config.federation.num_server_rounds + 1):
-        results = []
-        for proxy, ins in strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays),
-                                                 manager):
-            update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(ins.parameters),
-                                                             dict(ins.config))
-            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), n, metrics)))
-        strategy.aggregate_fit(server_round, results, [])
+        fit_round(strategy, manager, server_round)
         curve.append(accuracy())
     return curve
 

@@ -30,11 +30,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def check(device: str, dtype: str, privacy: bool) -> dict:
     import numpy as np
     import torch
-    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common import parameters_to_ndarrays
 
     from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
     from flwr_verl.data import load_rows
+    from flwr_verl.inprocess import InProcessClients, fit_round
     from flwr_verl.protocol import FitReport, SecAggBounds
     from flwr_verl.strategy import FedProxAdapters
 
@@ -62,14 +63,11 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    results, reports = [], []
-    for proxy, ins in strategy.configure_fit(1, ndarrays_to_parameters(initial), _Clients(2)):
-        update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(ins.parameters), dict(ins.config))
-        if any(u.dtype != np.float64 or not np.isfinite(u).all() for u in update):
+    results, round_metrics = fit_round(strategy, InProcessClients({str(i): c for i, c in enumerate(clients)}), 1)
+    reports = [FitReport.from_metrics(res.metrics) for _, res in results]
+    for proxy, res in results:
+        if any(u.dtype != np.float64 or not np.isfinite(u).all() for u in parameters_to_ndarrays(res.parameters)):
             failures.append(f"client {proxy.cid}: update not finite float64")
-        reports.append(FitReport.from_metrics(metrics))
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), n, metrics)))
-    _, round_metrics = strategy.aggregate_fit(1, results, [])
     round_seconds = time.perf_counter() - start
     _, _, evaluation = clients[0].evaluate(strategy.global_arrays, {})
     if any(a.dtype != np.float32 or not np.isfinite(a).all() for a in strategy.global_arrays):
@@ -83,34 +81,6 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
         "eval_accuracy": evaluation.get("accuracy"),
         "peak_device_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
     }
-
-
-class _Clients:
-    """The two in-process clients as Flower's ClientManager sees them (enough for configure_fit)."""
-
-    def __init__(self, count: int) -> None:
-        from flwr.server.client_proxy import ClientProxy
-
-        class Proxy(ClientProxy):
-            def get_properties(self, *args, **kwargs): raise RuntimeError("in-process proxy")
-            def get_parameters(self, *args, **kwargs): raise RuntimeError("in-process proxy")
-            def fit(self, *args, **kwargs): raise RuntimeError("in-process proxy")
-            def evaluate(self, *args, **kwargs): raise RuntimeError("in-process proxy")
-            def reconnect(self, *args, **kwargs): raise RuntimeError("in-process proxy")
-
-        self.clients = [Proxy(str(i)) for i in range(count)]
-
-    def num_available(self) -> int:
-        return len(self.clients)
-
-    def wait_for(self, num_clients: int, timeout: float) -> bool:
-        return len(self.clients) >= num_clients
-
-    def all(self) -> dict:
-        return {c.cid: c for c in self.clients}
-
-    def sample(self, num_clients, min_num_clients=None, criterion=None):
-        return [c for c in self.clients if criterion is None or criterion.select(c)][:num_clients]
 
 
 def main() -> int:

@@ -79,35 +79,6 @@ def tree_digest(directory: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- offline replay
-class FakeClientManager:
-    """Just enough of a ClientManager for ``FedProxAdapters.configure_fit`` outside Flower."""
-
-    def __init__(self, cids):
-        from flwr.server.client_proxy import ClientProxy
-
-        class Proxy(ClientProxy):
-            def get_properties(self, *a, **k): raise NotImplementedError
-            def get_parameters(self, *a, **k): raise NotImplementedError
-            def fit(self, *a, **k): raise NotImplementedError
-            def evaluate(self, *a, **k): raise NotImplementedError
-            def reconnect(self, *a, **k): raise NotImplementedError
-
-        self.clients = {str(c): Proxy(str(c)) for c in cids}
-
-    def num_available(self):
-        return len(self.clients)
-
-    def wait_for(self, num_clients, timeout):
-        return len(self.clients) >= num_clients  # nobody else will connect: no point in waiting
-
-    def all(self):
-        return dict(self.clients)
-
-    def sample(self, num_clients, min_num_clients=None, criterion=None):
-        eligible = [c for c in self.clients.values() if criterion is None or criterion.select(c)]
-        return eligible[:num_clients] if len(eligible) >= num_clients else []
-
-
 def replay_updates(run_config: dict, partitions: list[int], num_partitions: int, global_arrays, server_round: int = 1):
     """Recompute, in this process, the updates that ``partitions`` send in round ``server_round``
     (round 1 of a fresh run: empty privacy history), with the exact fit config the strategy sends.
@@ -115,6 +86,7 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
     from flwr.common import ndarrays_to_parameters
 
     from flwr_verl.client import VerlClient, cached_rows
+    from flwr_verl.inprocess import InProcessClients
     from flwr_verl.config import parse_run_config
     from flwr_verl.protocol import SecAggBounds
     from flwr_verl.secagg import derive_parameters
@@ -126,7 +98,7 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
     strategy = FedProxAdapters(federation, global_arrays, local_iterations=engine.trainer.local_iterations,
                                secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight))
     (_, fit_ins), *_ = strategy.configure_fit(server_round, ndarrays_to_parameters(global_arrays),
-                                              FakeClientManager(range(num_partitions)))
+                                              InProcessClients.named(range(num_partitions)))
     out = []
     for partition in partitions:
         client = VerlClient(engine, cached_rows(engine, "train", partition, num_partitions),

@@ -243,7 +243,7 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
     from flwr_verl.config import FederationConfig
     from flwr_verl.protocol import PreflightConfig, SecAggBounds
     from flwr_verl.strategy import FedProxAdapters, PreflightFailed
-    from tests.flower_harness import FakeClientManager
+    from flwr_verl.inprocess import InProcessClients
 
     config = tiny_config(data={"train_batch_size": 16}, actor={"ppo_mini_batch_size": 8})
     rows = load_rows(config.data, "train", 0)
@@ -256,12 +256,12 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
 
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3),
                                [np.zeros(2, np.float32)], local_iterations=1)
-    manager = FakeClientManager(["a", "b", "c"])
+    manager = InProcessClients.named(["a", "b", "c"])
     assert len(strategy.configure_preflight(1, manager)) == 3
     reason = "data.train_batch_size=16 with 10 private prompts gives sample rate q=1.6"
     failures = [Exception(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"partition {p}: ConfigError: {reason}"))
                 for p in (1, 2)]
-    ok = [(manager.clients["a"], GetPropertiesRes(Status(Code.OK, ""), {"status": "ok"}))]
+    ok = [(manager.proxies["a"], GetPropertiesRes(Status(Code.OK, ""), {"status": "ok"}))]
     with pytest.raises(PreflightFailed) as error:
         strategy.check_preflight(1, ok, failures)
     assert str(error.value) == ("round 1: preflight: 2 of 3 clients cannot train; nothing was trained:\n"

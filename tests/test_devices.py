@@ -16,14 +16,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import parameters_to_ndarrays
 
 from flwr_verl.client import VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
 from flwr_verl.protocol import FitConfig, SecAggBounds
 from flwr_verl.strategy import FedProxAdapters
-from tests.flower_harness import FakeClientManager
+from flwr_verl.inprocess import InProcessClients, fit_round
 
 FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "eye",
              "linspace")
@@ -69,11 +69,7 @@ def one_round(config, *, secure: bool):
                                   secagg=SecAggConfig(enabled=False))
     strategy = FedProxAdapters(federation, initial, local_iterations=1,
                                secure_aggregation=SecAggBounds(1.0, 64.0) if secure else None)
-    results = []
-    for proxy, ins in strategy.configure_fit(1, ndarrays_to_parameters(initial), FakeClientManager(["0", "1"])):
-        update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(ins.parameters), dict(ins.config))
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), n, metrics)))
-    strategy.aggregate_fit(1, results, [])
+    results, _ = fit_round(strategy, InProcessClients({str(i): c for i, c in enumerate(clients)}), 1)
     evaluation = clients[0].evaluate(strategy.global_arrays, {})
     return clients, strategy, [parameters_to_ndarrays(res.parameters) for _, res in results], evaluation
 

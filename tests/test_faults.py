@@ -37,6 +37,7 @@ from flwr_verl.checkpoint import load_state
 from flwr_verl.client import NonFiniteUpdate, VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
+from flwr_verl.inprocess import InProcessClients
 from flwr_verl.models import build_models
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
 from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, SecAggBounds
@@ -46,7 +47,6 @@ from flwr_verl.trainer import FitResult
 from tests.flower_harness import (
     FAULT_RUN,
     REPO,
-    FakeClientManager,
     count_in,
     initial_adapter,
     local_deployment,
@@ -115,9 +115,9 @@ def test_a_round_with_a_poisoned_client_is_not_poisoned(tiny_config, rows):
     config = tiny_config()
     initial = build_models(config.model, with_critic=False).adapters.get_arrays()
     strategy = strategy_for(initial)
-    (_, fit_ins), *_ = strategy.configure_fit(1, ndarrays_to_parameters(initial), FakeClientManager(["0", "1", "2"]))
+    (_, fit_ins), *_ = strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(["0", "1", "2"]))
     results, updates = [], []
-    proxies = FakeClientManager(["0", "1", "2"]).clients
+    proxies = InProcessClients.named(["0", "1", "2"]).proxies
     for pid in (0, 1):
         client = VerlClient(config, *rows, partition_id=pid)
         update, n, metrics = client.fit([a.copy() for a in initial], dict(fit_ins.config))
@@ -130,7 +130,7 @@ def test_a_round_with_a_poisoned_client_is_not_poisoned(tiny_config, rows):
     failure = Exception(Error(code=1, reason=f"partition 2: NonFiniteUpdate: {error.value}"))
     # A client without the check (say, another implementation) sends NaN in the clear: rejected too.
     nan_update = [np.full_like(a, np.nan) for a in initial]
-    sneaky = (FakeClientManager(["3"]).clients["3"], fit_res(nan_update, 32, report(3)))
+    sneaky = (InProcessClients.named(["3"]).proxies["3"], fit_res(nan_update, 32, report(3)))
 
     _, metrics = strategy.aggregate_fit(1, results + [sneaky], [failure])
     assert max_abs([a - b for a, b in zip(strategy.global_arrays, initial)], weighted_mean(updates)) < 1e-6
@@ -144,7 +144,7 @@ def test_a_round_with_a_poisoned_client_is_not_poisoned(tiny_config, rows):
 def test_a_report_that_breaks_the_protocol_is_a_failure_not_a_crash():
     initial = [np.zeros((2, 2), np.float32)]
     strategy = strategy_for(initial, min_fit_clients=1)
-    proxies = FakeClientManager(["0", "1"]).clients
+    proxies = InProcessClients.named(["0", "1"]).proxies
     good = (proxies["0"], fit_res([np.ones((2, 2))], 8, report(0)))
     garbled = (proxies["1"], fit_res([np.ones((2, 2))], 8, {"status": "ok", "partition_id": "one"}))
     _, metrics = strategy.aggregate_fit(1, [good, garbled], [])
@@ -156,7 +156,7 @@ def test_a_report_that_breaks_the_protocol_is_a_failure_not_a_crash():
 def test_a_non_finite_secure_aggregate_fails_the_round_and_keeps_the_adapter():
     initial = [np.zeros((2, 3), np.float32)]
     strategy = strategy_for(initial, secure=True, min_fit_clients=3)
-    proxy = FakeClientManager(["0"]).clients["0"]
+    proxy = InProcessClients.named(["0"]).proxies["0"]
     with pytest.raises(RoundFailed, match="securely aggregated update is not finite"):
         strategy.aggregate_fit(1, [(proxy, fit_res([np.full((2, 3), np.nan)], 8, report(0)))], [])
     assert np.array_equal(strategy.global_arrays[0], initial[0])
@@ -174,7 +174,7 @@ def test_clients_over_their_epsilon_budget_are_refused_and_the_run_goes_on(tiny_
                                partition_id=pid) for pid in budgets}
     initial = build_models(base.model, with_critic=False).adapters.get_arrays()
     strategy = strategy_for(initial, min_fit_clients=1)
-    manager = FakeClientManager(["0", "1", "2"])
+    manager = InProcessClients.named(["0", "1", "2"])
 
     def run_round(server_round):
         sampled = strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays), manager)
@@ -218,7 +218,7 @@ def test_secagg_round_where_every_client_refuses_stops_cleanly():
     The strategy sees that every client refused, keeps the adapter and stops the run normally."""
     initial = [np.ones((2, 2), np.float32)]
     strategy = strategy_for(initial, secure=True, min_fit_clients=3)
-    proxies = FakeClientManager(["0", "1", "2"]).clients
+    proxies = InProcessClients.named(["0", "1", "2"]).proxies
     privacy = PrivacyReport(account=PrivacyAccount(), epsilon_total=1.0, epsilon_round=0.0, epsilon_next=2.0,
                             epsilon_budget=1.0, noise_multiplier=1.0, delta=1e-5)
     refused = [(proxies[c], fit_res([np.full((2, 2), np.nan)], 0, report(int(c), STATUS_BUDGET, privacy)))
@@ -268,7 +268,7 @@ def test_privacy_ledger_is_kept_per_client_id_and_sent_only_to_its_owner(tiny_co
 
     initial = build_models(config.model, with_critic=False).adapters.get_arrays()
     strategy = strategy_for(initial, min_fit_clients=1)
-    manager = FakeClientManager(["a", "b"])
+    manager = InProcessClients.named(["a", "b"])
     names = {"a": "hospital-a", "b": "hospital-b"}
     sampled = strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
     assert all(FitConfig.from_config(ins.config).privacy_account is None for _, ins in sampled)
@@ -297,7 +297,7 @@ def test_checkpoints_are_atomic_and_resume_reconciles_metrics(tiny_config, tmp_p
     config = tiny_config()
     adapters = build_models(config.model, with_critic=False).adapters
     strategy = strategy_for(adapters.get_arrays(), min_fit_clients=1)
-    proxy = FakeClientManager(["0"]).clients["0"]
+    proxy = InProcessClients.named(["0"]).proxies["0"]
     run = RunDirectory(tmp_path / "run-x", adapters)
     run.append_metrics({"round": 0, "evaluate": {"reward": 0.5}})
     for server_round in (1, 2):
@@ -324,7 +324,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_config, 
     config = tiny_config()
     adapters = build_models(config.model, with_critic=False).adapters
     strategy = strategy_for(adapters.get_arrays(), min_fit_clients=1)
-    proxy = FakeClientManager(["0"]).clients["0"]
+    proxy = InProcessClients.named(["0"]).proxies["0"]
     run = RunDirectory(tmp_path / "run-y", adapters)
     for server_round in (1, 2):
         update = [np.full_like(a, 0.01 * server_round) for a in strategy.global_arrays]
@@ -526,11 +526,11 @@ def test_under_secagg_a_refusing_client_leaves_the_round_and_is_not_sampled_agai
 
     initial = [np.zeros((2, 2), np.float32)]
     strategy = strategy_for(initial, secure=True, min_fit_clients=3)
-    manager = FakeClientManager(["0", "1", "2", "3"])
+    manager = InProcessClients.named(["0", "1", "2", "3"])
     error = PrivacyBudgetExhausted("one more round would spend epsilon 2 > budget 1; leaving the SecAgg+ round")
     failure = Exception(Error(code=1, reason=f"partition 1: {describe(error)}"))
     def results(cids):
-        return [(manager.clients[c], fit_res([np.full((2, 2), 0.5)], 8, report(int(c)))) for c in cids]
+        return [(manager.proxies[c], fit_res([np.full((2, 2), 0.5)], 8, report(int(c)))) for c in cids]
 
     strategy.aggregate_fit(1, results("0123"), [])  # round 1: node 1 trained and reported its id
     strategy.aggregate_fit(2, results("023"), [failure])  # round 2: it left for its budget

@@ -68,15 +68,15 @@ def test_the_strategy_refuses_to_sample_more_clients_than_the_modulus_holds():
     from flwr_verl.config import FederationConfig
     from flwr_verl.protocol import SecAggBounds
     from flwr_verl.strategy import FedProxAdapters
-    from tests.flower_harness import FakeClientManager
+    from flwr_verl.inprocess import InProcessClients
 
     initial = [np.zeros(2, np.float32)]
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3), initial,
                                local_iterations=1, secure_aggregation=SecAggBounds(1.0, 64.0))
-    manager = FakeClientManager(range(MAX_CLIENTS + 1))
+    manager = InProcessClients.named(range(MAX_CLIENTS + 1))
     with pytest.raises(ConfigError, match=f"samples {MAX_CLIENTS + 1} clients"):
         strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
-    assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), FakeClientManager(range(MAX_CLIENTS)))) \
+    assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(MAX_CLIENTS)))) \
         == MAX_CLIENTS
 
 

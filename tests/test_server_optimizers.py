@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from flwr_verl.checkpoint import load_state, save_state
 from flwr_verl.client import VerlClient
@@ -19,7 +19,7 @@ from flwr_verl.data import load_rows
 from flwr_verl.models import build_models
 from flwr_verl.protocol import STATUS_OK, FitReport
 from flwr_verl.strategy import FedProxAdapters
-from tests.flower_harness import FakeClientManager
+from flwr_verl.inprocess import InProcessClients, fit_round
 
 ROUNDS, LOCAL_ITERATIONS = 4, 4
 # Measured with these settings (held-out greedy accuracy, 96 prompts, before -> after 4 rounds):
@@ -34,22 +34,14 @@ def federation():
     rows = [(load_rows(config.data, "train", 0, i, 3), load_rows(config.data, "val", 0, i, 3)) for i in range(3)]
     clients = [VerlClient(config, train, val, partition_id=i) for i, (train, val) in enumerate(rows)]
     initial = build_models(config.model, with_critic=False).adapters.get_arrays()
-    return clients, initial, [row for _, val in rows for row in val]
+    return InProcessClients({str(i): c for i, c in enumerate(clients)}), clients, initial, \
+        [row for _, val in rows for row in val]
 
 
 def strategy(kind: str, initial) -> FedProxAdapters:
     config = FederationConfig(min_fit_clients=3, server_optimizer=kind, proximal_mu=0.0,
                               secagg=SecAggConfig(enabled=False))
     return FedProxAdapters(config, initial, local_iterations=LOCAL_ITERATIONS)
-
-
-def run_round(strategy: FedProxAdapters, clients, server_round: int) -> None:
-    results = []
-    manager = FakeClientManager(["0", "1", "2"])
-    for proxy, ins in strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays), manager):
-        update, n, metrics = clients[int(proxy.cid)].fit(parameters_to_ndarrays(ins.parameters), dict(ins.config))
-        results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), n, metrics)))
-    strategy.aggregate_fit(server_round, results, [])
 
 
 def accuracy(clients, arrays, val) -> float:
@@ -59,11 +51,11 @@ def accuracy(clients, arrays, val) -> float:
 
 @pytest.mark.parametrize("kind", ["sgd", "momentum", "adam"])
 def test_server_optimizer_improves_held_out_accuracy_and_resumes_bit_identically(federation, kind, tmp_path):
-    clients, initial, val = federation
+    manager, clients, initial, val = federation
     uninterrupted = strategy(kind, initial)
     before = accuracy(clients, initial, val)
     for server_round in range(1, ROUNDS + 1):
-        run_round(uninterrupted, clients, server_round)
+        fit_round(uninterrupted, manager, server_round)
         if server_round == 2:
             save_state(tmp_path, uninterrupted.state_dict())
     after = accuracy(clients, uninterrupted.global_arrays, val)
@@ -72,7 +64,7 @@ def test_server_optimizer_improves_held_out_accuracy_and_resumes_bit_identically
     resumed = strategy(kind, initial)
     resumed.load_state_dict(load_state(tmp_path))
     for flower_round in range(1, ROUNDS - 2 + 1):  # Flower counts the resumed run's rounds from 1 again
-        run_round(resumed, clients, flower_round)
+        fit_round(resumed, manager, flower_round)
     assert resumed.completed_round == ROUNDS
     assert all(torch.equal(a, b) for a, b in zip(resumed.weights, uninterrupted.weights)), kind
     assert all(np.array_equal(a, b) for a, b in zip(resumed.global_arrays, uninterrupted.global_arrays))
@@ -97,5 +89,5 @@ def test_adam_first_step_moves_every_coordinate_by_about_its_learning_rate():
     adam = strategy("adam", initial)
     report = FitReport(status=STATUS_OK, partition_id=0, client_id="0", bytes_received=0, bytes_sent=0)
     tiny_update = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.full((4, 4), 1e-6)]), 8, report.to_metrics())
-    adam.aggregate_fit(1, [(FakeClientManager(["0"]).clients["0"], tiny_update)], [])
+    adam.aggregate_fit(1, [(InProcessClients.named(["0"]).proxies["0"], tiny_update)], [])
     assert np.allclose(adam.global_arrays[0], 1e-3, rtol=1e-3)
