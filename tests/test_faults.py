@@ -587,3 +587,24 @@ def test_the_progress_line_and_the_summary_tell_the_story():
                                         "of budget 8 | 21.3 s | 0.31 MB up, 0.63 MB down")
     assert summary([{"round": 0, "evaluate": {"accuracy": 0.37}}, record]) == \
         "held-out accuracy 0.370 at round 0 -> 0.562 at round 3, epsilon 5.60"
+
+
+@pytest.mark.slow
+def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_threshold(tmp_path):
+    """Real processes: 3 SuperNodes under SecAgg+ (reconstruction threshold 2), two of them with a
+    node budget below one round. They leave the round instead of taking part with weight 0, so
+    the one client that trained is alone: the protocol halts before unmasking and the server
+    learns nothing (with weight-0 participants it had unmasked that client's exact update)."""
+    tiny = {"epsilon-budget": 1e-3}
+    with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={1: tiny, 2: tiny}) as deployment:
+        out = tmp_path / "out"
+        done = deployment.flwr_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
+        log = done.stdout + done.stderr
+        status = deployment.run_status(log)
+    assert re.search(r"round 1: secure aggregation halted at stage '(collect masked vectors|unmask)': "
+                     r"1 of 3 sampled clients", log), log
+    assert log.count("PrivacyBudgetExhausted: one more round would spend epsilon") >= 2, log
+    assert "Secure aggregation completed" not in log and "Traceback" not in log
+    (run_dir,) = run_directories(out)
+    assert not (run_dir / "adapters").exists() or not list((run_dir / "adapters").glob("round-*"))
+    assert status == "finished:failed", status
