@@ -165,6 +165,9 @@ def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, Privac
     trained = [(n, r.training) for n, r in reports if r.training is not None]
     for name in (f.name for f in dataclasses.fields(TrainingSummary)) if trained else ():
         out[name] = weighted_mean([(n, getattr(t, name)) for n, t in trained])
+    if trained:  # the round waits for its slowest client: what a framework's overhead is measured against
+        out["time_fit_max"] = max(t.time_fit for _, t in trained)
+        out["time_fit_sum"] = sum(t.time_fit for _, t in trained)
     private = [r.privacy for _, r in reports if r.privacy is not None]
     if private:
         out["epsilon_round"] = max(p.epsilon_round for p in private)
