@@ -299,13 +299,13 @@ class EngineConfig:
 
 
 # ----------------------------------------------------------------------------- federation
-# Server optimizers: (default learning rate, largest allowed). FedAvg/FedProx is sgd at lr 1, the
-# mean update applied as is. FedAvgM's effective step is lr / (1 - momentum): its default lr,
-# 1 - server-momentum, keeps that at 1. FedAdam moves every coordinate by about +-lr each step,
-# whatever the update's size, and keeps moving as the updates shrink: lr 1 wrecks a LoRA adapter,
-# whose round updates are ~1e-2 per coordinate. Its default is the low end of Reddi et al.
-# (2021)'s server learning rates, 1e-3 to 1e-1, and it is capped at their top.
-SERVER_LEARNING_RATES = {"sgd": (1.0, 2.0), "momentum": (math.nan, 2.0), "adam": (1e-3, 0.1)}
+# The largest server learning rate each server optimizer allows; the defaults are in
+# ``FederationConfig.effective_server_learning_rate``. FedAdam moves every coordinate by about
+# +-lr each step, whatever the update's size, and keeps moving as the updates shrink: lr 1 wrecks
+# a LoRA adapter, whose round updates are ~1e-2 per coordinate, so it is capped at the top of
+# Reddi et al. (2021)'s server learning rates (1e-3 to 1e-1).
+MAX_SERVER_LEARNING_RATES = {"sgd": 2.0, "momentum": 2.0, "adam": 0.1}
+
 
 @dataclass
 class SecAggConfig:
@@ -335,7 +335,7 @@ class FederationConfig:
     min_available_clients: int = 3
     proximal_mu: float = 0.01
     server_optimizer: str = "sgd"  # sgd (FedAvg/FedProx), momentum (FedAvgM), adam (FedAdam)
-    server_learning_rate: float = 0.0  # 0: the optimizer's default (SERVER_LEARNING_RATES)
+    server_learning_rate: float = 0.0  # 0: the optimizer's default (effective_server_learning_rate)
     server_momentum: float = 0.9
     evaluate_every: int = 1
     save_every: int = 1
@@ -350,12 +350,12 @@ class FederationConfig:
 
     @property
     def effective_server_learning_rate(self) -> float:
-        """``server-learning-rate``, or the chosen optimizer's default when it is 0."""
+        """``server-learning-rate``, or the chosen optimizer's default when it is 0: sgd 1 (FedAvg,
+        FedProx: the mean update applied as is); momentum 1 - server-momentum, which keeps
+        FedAvgM's effective step lr / (1 - momentum) at 1; adam 1e-3, the low end of Reddi et al."""
         if self.server_learning_rate:
             return self.server_learning_rate
-        if self.server_optimizer == "momentum":
-            return 1.0 - self.server_momentum
-        return SERVER_LEARNING_RATES[self.server_optimizer][0]
+        return {"sgd": 1.0, "momentum": 1.0 - self.server_momentum, "adam": 1e-3}[self.server_optimizer]
 
     def __post_init__(self) -> None:
         require(self.num_server_rounds >= 1, "num-server-rounds", self.num_server_rounds, "must be >= 1")
@@ -367,7 +367,7 @@ class FederationConfig:
         require(self.server_optimizer in ("sgd", "momentum", "adam"), "server-optimizer", self.server_optimizer,
                 "allowed: sgd, momentum, adam")
         require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
-        largest = SERVER_LEARNING_RATES[self.server_optimizer][1]
+        largest = MAX_SERVER_LEARNING_RATES[self.server_optimizer]
         require(self.server_learning_rate == 0 or 0 < self.server_learning_rate <= largest, "server-learning-rate",
                 self.server_learning_rate,
                 f"with server-optimizer={self.server_optimizer!r} must be in (0, {largest:g}], or 0 for its default")
