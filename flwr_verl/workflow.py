@@ -51,7 +51,7 @@ CONVERTERS = {
 
 def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
              timeout: float) -> tuple[list, list]:
-    """Send each ``(proxy, FitIns | EvaluateIns)`` and collect replies for at most ``timeout``
+    """Send each ``(proxy, FitIns | EvaluateIns | GetPropertiesIns)`` and collect replies for at most ``timeout``
     seconds; return ``(results, failures)`` as the legacy strategy API expects them."""
     to_recorddict, from_recorddict = CONVERTERS[message_type]
     proxies = {proxy.node_id: proxy for proxy, _ in instructions}
