@@ -40,7 +40,7 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
     from flwr_verl.strategy import FedProxAdapters
 
     config = engine_config(model={"device": device, "dtype": dtype},
-                           privacy={"enabled": privacy, "deterministic": True},
+                           privacy={"enabled": privacy, "deterministic": True, "metrics": "clear"},
                            data={"train_size": 64, "val_size": 16, "train_batch_size": 16},
                            actor={"ppo_mini_batch_size": 8}, trainer={"local_iterations": 2})
     train, val = load_rows(config.data, "train", 0), load_rows(config.data, "val", 0)

@@ -1,6 +1,7 @@
 """The ``flwr-verl`` command.
 
     flwr-verl check-config my-profile.toml --set actor.lr=1e-3 --set "algorithm.adv_estimator='rloo'"
+    flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp]
 
 ``check-config`` validates a run config before ``flwr run`` sees it. Flower rejects a key that is
 not in the app's ``[tool.flwr.app.config]`` before the app starts, with only
@@ -11,6 +12,10 @@ them on the app's defaults and validates the result as the app would. It prints
 ``ok: <n> keys valid`` and exits 0, or prints the error and exits 2. Checks that need the model
 or the data (``model.target_modules``, prompt lengths, the reward function) run when a client
 builds its engine, before any training.
+
+``ledger show`` prints a node's privacy ledger (``ledger.py``; default: the node's default
+ledger file): each data set's spent epsilon at ``--delta``, per run and in total, composed by the
+accountant (a total is not the sum of the runs' epsilons). It opens the file read-only.
 """
 
 from __future__ import annotations
@@ -77,6 +82,18 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def ledger_show(args: argparse.Namespace) -> int:
+    """Print each data set's spent epsilon at a delta, per run and in total."""
+    from flwr_verl.ledger import LedgerError, PrivacyLedger, default_path, show
+
+    try:
+        print(show(PrivacyLedger(args.path or default_path(), read_only=True), args.delta, args.accountant))
+    except LedgerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flwr-verl", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -88,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--app", type=Path, default=APP_DIR,
                        help=f"directory of the Flower app whose defaults apply (default: {APP_DIR})")
     check.set_defaults(handler=check_config)
+    ledger = commands.add_parser("ledger", help="inspect this node's privacy ledger").add_subparsers(
+        dest="ledger_command", required=True, metavar="COMMAND")
+    shown = ledger.add_parser("show", help=ledger_show.__doc__, description=ledger_show.__doc__)
+    shown.add_argument("path", nargs="?", type=Path,
+                       help="the ledger file (default: $FLWR_HOME/flwr-verl/privacy-ledger.sqlite)")
+    shown.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is shown (default 1e-5)")
+    shown.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="default: rdp")
+    shown.set_defaults(handler=ledger_show)
     args = parser.parse_args(argv)
     return args.handler(args)
 

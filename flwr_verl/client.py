@@ -9,9 +9,9 @@ at a range fitted to the updates the error shrinks with it. The update is also w
 optimizer needs (its pseudo-gradient). Only adapter arrays ever leave the client.
 
 The instructions arrive as a ``protocol.FitConfig`` and the report leaves as a
-``protocol.FitReport``. Per-client state that must outlive one message (the ``PrivacyAccount``)
-lives in the Flower ``Context.state``, merged each round with the server's copy of this client's
-own account; models are cached per process, since Flower builds a fresh client for every message.
+``protocol.FitReport``. What must outlive one message and one run (what the data set has spent)
+lives in the node's privacy ledger (``ledger.py``); models are cached per process, since Flower
+builds a fresh client for every message.
 
 What a client refuses to send, and says why (each a ``FlwrVerlError`` that the ClientApp's
 ``concise_errors`` mod turns into a one-line error reply naming the partition):
@@ -30,11 +30,15 @@ sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` fr
 config, or the node's own ``epsilon-budget`` from its node config when that is stricter: the
 data owner can always spend less of its data's privacy than the federation's config allows.
 
+The budget is checked against everything the node's data set has ever spent, in every run: the
+node's privacy ledger (``ledger.py``, node config ``privacy-ledger``) records each round's spend
+before training, in the transaction that checks the budget, so it is on disk before the update
+leaves the node. Nothing the server sends changes it.
+
 Node config keys read here: ``partition-id`` and ``num-partitions`` (which share of the data
-this node trains on), ``epsilon-budget`` (above), and ``client-id``: the name under which the
-server's privacy ledger keeps this client's accounting (default: the partition id). Set it when
-organisations bring their own data (``partition-id=0 num-partitions=1`` on every node), so that
-their ledgers do not collide.
+this node trains on), ``epsilon-budget`` (above), ``privacy-ledger`` (the ledger file), and
+``client-id``: the name this client gives itself in reports and error lines (default: the
+partition id); the server keys what it keeps per client by Flower's node id, never by it.
 """
 
 from __future__ import annotations
@@ -45,13 +49,28 @@ import time
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Context
+from flwr.app import Context
 from flwr.client import NumPyClient
 
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
 from flwr_verl.data import Row, load_rows
+from flwr_verl.ledger import (
+    IN_MEMORY,
+    NODE_PRIVACY_LEDGER,
+    DataSetKey,
+    LedgerError,
+    PrivacyLedger,
+    default_path,
+    fingerprint_rows,
+)
 from flwr_verl.models import Models, build_models, check_lengths
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
+from flwr_verl.privacy import (
+    PRIVACY_UNIT,
+    IterationMechanism,
+    PrivacyAccount,
+    noise_for_target_epsilon,
+    sample_rate,
+)
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     STATUS_OK,
@@ -65,12 +84,12 @@ from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
 from flwr_verl.trainer import LocalPPOTrainer
 
-STATE_KEY = "flwr_verl"
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
-NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in the server's privacy ledger
+NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in its reports (display only)
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
+_LEDGERS: dict[str, PrivacyLedger] = {}
 
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
@@ -127,6 +146,23 @@ def summarize_training(iterations: list[dict[str, float]], seconds: float) -> Tr
     )
 
 
+def reported_num_examples(mode: str, num_prompts: int) -> int:
+    """The weight this client sends as ``num_examples`` (``privacy.num_examples``): its prompt
+    count (``exact``), that count rounded up to a power of two (``bucketed``), or 1 (``fixed``)."""
+    if mode == "fixed":
+        return 1
+    if mode == "bucketed":
+        return 1 << max(num_prompts - 1, 0).bit_length()
+    return num_prompts
+
+
+def cached_ledger(path: str) -> PrivacyLedger:
+    """One connection per process and ledger file (Flower re-creates clients per message)."""
+    if path not in _LEDGERS:
+        _LEDGERS[path] = PrivacyLedger(path)
+    return _LEDGERS[path]
+
+
 def _nbytes(arrays: list[np.ndarray]) -> int:
     return int(sum(a.nbytes for a in arrays))
 
@@ -135,8 +171,8 @@ class VerlClient(NumPyClient):
     """Federated RLHF client: verl PPO on LoRA adapters, under Opacus DP, exchanging adapter updates."""
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
-                 partition_id: int = 0, models: Models | None = None, state: ConfigRecord | None = None,
-                 compute_score=None, client_id: str | None = None) -> None:
+                 partition_id: int = 0, models: Models | None = None, compute_score=None,
+                 client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local") -> None:
         self.config = config
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
@@ -153,7 +189,11 @@ class VerlClient(NumPyClient):
         check_lengths(config, models, train_rows + val_rows)
         self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score)
         self.adapters = self.trainer.models.adapters
-        self.state = state if state is not None else ConfigRecord()
+        # Without a ledger (in-process experiments) spends last as long as this client object.
+        self.ledger = ledger or PrivacyLedger(IN_MEMORY)
+        self.run_id = run_id
+        self.data_set = DataSetKey(fingerprint_rows(train_rows), PRIVACY_UNIT,
+                                   f"{describe_source(config)}, partition {partition_id}, {len(train_rows)} prompts")
 
     # ------------------------------------------------------------------ Flower API
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
@@ -165,10 +205,12 @@ class VerlClient(NumPyClient):
         checked against its own data. Any problem raises, and reaches the server as one line."""
         instructions = PreflightConfig.from_config(config)
         sample_rate(self.config.data.train_batch_size, len(self.train_rows))
-        if instructions.secagg and len(self.train_rows) > instructions.secagg.max_weight:
+        weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
+        if instructions.secagg and weight > instructions.secagg.max_weight:
             raise ConfigError(f"secagg.max-weight={instructions.secagg.max_weight:g} is invalid: this client has "
-                              f"{len(self.train_rows)} training prompts, and SecAgg+ would overflow a larger weight; "
-                              "raise secagg.max-weight to at least every client's number of prompts")
+                              f"{len(self.train_rows)} training prompts (weight {weight} with privacy.num_examples="
+                              f"{self.config.privacy.num_examples!r}), and SecAgg+ would overflow a larger weight; "
+                              "raise secagg.max-weight to at least every client's weight")
         return {"status": STATUS_OK}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
@@ -178,16 +220,20 @@ class VerlClient(NumPyClient):
         if instructions.fail_partition == self.partition_id:  # fault injection for tests
             raise RuntimeError(f"injected failure in partition {self.partition_id}")
         iterations = instructions.local_iterations
-        account = self._account(instructions)
         mechanism = self._mechanism(instructions)
         report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=self.client_id,
                            bytes_received=_nbytes(parameters), bytes_sent=0)
 
         budget = self.config.privacy.epsilon_budget
-        if mechanism is not None and budget and account.after(mechanism, iterations).epsilon(
-                self.config.privacy.delta) > budget:
+        # Spent before training, in the transaction that checks the budget: see ``ledger.py``.
+        spend = self.ledger.spend(
+            self.data_set, mechanism, iterations, budget=budget, delta=self.config.privacy.delta,
+            accountant=self.config.privacy.accountant, run_id=self.run_id, server_round=instructions.server_round,
+        ) if mechanism else None
+        if spend and spend.refused:
             refusal = dataclasses.replace(report, status=STATUS_BUDGET,
-                                          privacy=self._privacy_report(account, account, mechanism, iterations))
+                                          privacy=self._privacy_report(spend.before, spend.before, mechanism,
+                                                                       iterations))
             if instructions.secagg:
                 raise PrivacyBudgetExhausted(
                     f"one more round would spend epsilon {refusal.privacy.epsilon_next:.3g} > budget {budget:g}; "
@@ -200,10 +246,9 @@ class VerlClient(NumPyClient):
             noise_multiplier=mechanism.noise_multiplier if mechanism else None,
             seed=self.config.trainer.seed + 100_003 * instructions.server_round + 7919 * self.partition_id,
         )
-        spent = account
-        if result.mechanism is not None:  # spent whether or not the update is sent: record it first
-            spent = account.after(result.mechanism, result.iterations)
-            self.state["privacy_account"] = spent.to_json()
+        if mechanism is not None and (result.mechanism, result.iterations) != (mechanism, iterations):
+            raise LedgerError(f"the fit spent {result.iterations} x {result.mechanism}, not the {iterations} x "
+                              f"{mechanism} the ledger recorded; not sent")
         # SecAgg+ quantizes in the dtype it receives: float64 keeps its 2e-9 steps (float32 alone
         # would cost ~1e-7), at no cost on the wire, where masked int64 vectors travel either way.
         new = self.adapters.get_arrays()
@@ -212,15 +257,16 @@ class VerlClient(NumPyClient):
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
+        weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
         if instructions.secagg:
-            check_update(update, len(self.train_rows), instructions.secagg.clipping_range,
-                         instructions.secagg.max_weight)
+            check_update(update, weight, instructions.secagg.clipping_range, instructions.secagg.max_weight)
         report = dataclasses.replace(
             report, bytes_sent=_nbytes(update),
-            privacy=self._privacy_report(account, spent, result.mechanism, iterations) if result.mechanism else None,
-            training=summarize_training(result.metrics, time.perf_counter() - start),
+            privacy=self._privacy_report(spend.before, spend.after, mechanism, iterations) if spend else None,
+            training=(summarize_training(result.metrics, time.perf_counter() - start)
+                      if self.config.privacy.sent_metrics == "clear" else None),
         )
-        return update, len(self.train_rows), report.to_metrics()
+        return update, weight, report.to_metrics()
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
         self.adapters.set_arrays(parameters)
@@ -230,13 +276,6 @@ class VerlClient(NumPyClient):
         return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
 
     # ------------------------------------------------------------------ privacy state
-    def _account(self, instructions: FitConfig) -> PrivacyAccount:
-        """This client's privacy account: its own record (Flower's ``Context.state``) merged
-        with the server's copy of it, which survives the node's restarts."""
-        saved = self.state.get("privacy_account")
-        own = PrivacyAccount.from_json(str(saved)) if saved else PrivacyAccount(self.config.privacy.accountant)
-        return own.merge(instructions.privacy_account) if instructions.privacy_account else own
-
     def _mechanism(self, instructions: FitConfig) -> IterationMechanism | None:
         """What one local iteration will spend; None without privacy."""
         privacy = self.config.privacy
@@ -260,20 +299,27 @@ class VerlClient(NumPyClient):
 
 
 def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
-    """Build the client for this node: its partition (and optionally its own epsilon budget)
-    come from ``node_config``."""
+    """Build the client for this node: its partition, its privacy ledger (and optionally its own
+    epsilon budget) come from ``node_config``."""
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
-    if STATE_KEY not in context.state.config_records:
-        context.state.config_records[STATE_KEY] = ConfigRecord()
+    ledger = context.node_config.get(NODE_PRIVACY_LEDGER, str(default_path()))
+    if not isinstance(ledger, str) or not ledger.strip():
+        raise ConfigError(f"node config {NODE_PRIVACY_LEDGER}={ledger!r} is invalid: must be a file path")
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
-        partition_id=partition_id, state=context.state.config_records[STATE_KEY],
-        client_id=context.node_config.get(NODE_CLIENT_ID),
+        partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
+        ledger=cached_ledger(ledger) if config.privacy.enabled else None, run_id=str(context.run_id),
     )
+
+
+def describe_source(config: EngineConfig) -> str:
+    """Where the training prompts come from, for ``flwr-verl ledger show``."""
+    data = config.data
+    return f"files {data.train_files}" if data.train_files else f"task {data.task!r} seed {config.trainer.seed}"
 
 
 def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:

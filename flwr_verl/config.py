@@ -31,6 +31,8 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # Opacus modes that materialise per-row gradients, which are pooled per prompt before clipping.
 # "ghost" never materialises them and "ew" needs a positional-input module: neither fits.
 GRAD_SAMPLE_MODES = ("hooks", "functorch")
+PRIVACY_METRICS = ("auto", "clear", "none")
+NUM_EXAMPLES_WEIGHTS = ("exact", "bucketed", "fixed")
 
 
 class FlwrVerlError(Exception):
@@ -229,6 +231,19 @@ class PrivacyConfig:
     # Seed DP sampling and noise from trainer.seed. For tests and benchmarks only: whoever
     # knows the seed can subtract the noise, which voids the guarantee.
     deterministic: bool = False
+    # Training metrics on the private prompts (reward, KL, lengths, losses, timings), which no
+    # epsilon covers: "clear" sends them, "none" does not, "auto" is "none" under DP.
+    metrics: str = "auto"
+    # The weight sent as num_examples: "exact" (the prompt count: FedAvg's weighting), "bucketed"
+    # (rounded up to a power of two) or "fixed" (1: every client weighs the same).
+    num_examples: str = "exact"
+
+    @property
+    def sent_metrics(self) -> str:
+        """``metrics`` with "auto" resolved: "none" under DP, "clear" without."""
+        if self.metrics == "auto":
+            return "none" if self.enabled else "clear"
+        return self.metrics
 
     def __post_init__(self) -> None:
         require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
@@ -243,6 +258,10 @@ class PrivacyConfig:
                 f"allowed: {', '.join(GRAD_SAMPLE_MODES)}")
         require(self.target_epsilon >= 0, "privacy.target_epsilon", self.target_epsilon, "must be >= 0 (0 = off)")
         require(self.epsilon_budget >= 0, "privacy.epsilon_budget", self.epsilon_budget, "must be >= 0 (0 = none)")
+        require(self.metrics in PRIVACY_METRICS, "privacy.metrics", self.metrics,
+                f"allowed: {', '.join(PRIVACY_METRICS)}")
+        require(self.num_examples in NUM_EXAMPLES_WEIGHTS, "privacy.num_examples", self.num_examples,
+                f"allowed: {', '.join(NUM_EXAMPLES_WEIGHTS)}")
 
 
 @dataclass

@@ -43,6 +43,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from flwr_verl.config import ConfigError, FlwrVerlError, PrivacyConfig
 from flwr_verl.proximal import Proximal
 
+PRIVACY_UNIT = "prompt"  # one prompt with everything generated from it (the ledger keys budgets by it)
+
 if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
@@ -88,8 +90,8 @@ class PrivacyAccount:
     accountants keep it (``(noise multiplier, sample rate, steps)``), and the accountant that
     turns it into epsilon.
 
-    ``record`` spends; ``after`` answers "what if" without spending; ``merge`` reconciles two
-    records of the same data; ``to_json``/``from_json`` serialise it.
+    ``record`` spends; ``after`` answers "what if" without spending; ``to_json``/``from_json``
+    serialise it. What a data set has spent across runs is kept in the node's ``ledger.py``.
     """
 
     accountant: str = "rdp"
@@ -134,15 +136,6 @@ class PrivacyAccount:
         accountant = create_accountant(self.accountant)
         accountant.history = history
         return float(accountant.get_epsilon(delta=delta))
-
-    def merge(self, other: PrivacyAccount) -> PrivacyAccount:
-        """The record that has spent more (more steps; at equal steps, the higher epsilon at a
-        fixed delta). Two copies of one data set's record differ only by spends one of them has
-        not seen yet, so the longer one is the true one; taking it never under-counts."""
-        if other.accountant != self.accountant:
-            raise PrivacyAccountError(f"cannot merge a {other.accountant!r} account into a {self.accountant!r} one")
-        key = lambda account: (account.steps, account.epsilon(1e-5))  # noqa: E731
-        return PrivacyAccount(self.accountant, list(max(self, other, key=key).history))
 
     def to_json(self) -> str:
         return json.dumps({"accountant": self.accountant, "history": [list(entry) for entry in self.history]})

@@ -6,7 +6,9 @@ dicts: ``FitConfig`` (server -> client, in ``FitIns.config``), ``FitReport`` (cl
 in ``FitRes.metrics``) and ``EvaluateReport`` (in ``EvaluateRes.metrics``). Each ``from_*``
 rejects a missing or mistyped entry with a ``ProtocolError`` that names it.
 
-What travels in the clear beside the (securely aggregated) update: everything in ``FitReport``.
+What travels in the clear beside the (securely aggregated) update: everything in ``FitReport``
+(its ``training`` summary only under ``privacy.metrics=clear``), and the weight ``num_examples``
+(``privacy.num_examples``).
 """
 
 from __future__ import annotations
@@ -56,9 +58,6 @@ class FitConfig:
     local_iterations: int
     planned_iterations: int  # over the whole run: what privacy.target_epsilon is spread over
     proximal_mu: float
-    # The server's copy of this client's own privacy account (never another client's): the
-    # client merges it with its own record, so a record lost on the node is not reset.
-    privacy_account: PrivacyAccount | None = None
     secagg: SecAggBounds | None = None  # None: the update travels in the clear
     fail_partition: int = -1  # fault injection for tests: this partition's fit raises
 
@@ -68,22 +67,18 @@ class FitConfig:
             "planned_iterations": self.planned_iterations, "proximal_mu": self.proximal_mu,
             "fail_partition": self.fail_partition, "secure": self.secagg is not None,
         }
-        if self.privacy_account is not None:
-            config["privacy_account"] = self.privacy_account.to_json()
         if self.secagg is not None:
             config.update(secagg_clipping_range=self.secagg.clipping_range, secagg_max_weight=self.secagg.max_weight)
         return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> FitConfig:
-        account = _read(config, "privacy_account", str, None)
         secagg = SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)) \
             if _read(config, "secure", bool) else None
         return cls(
             server_round=_read(config, "server_round", int), local_iterations=_read(config, "local_iterations", int),
             planned_iterations=_read(config, "planned_iterations", int),
             proximal_mu=_read(config, "proximal_mu", float),
-            privacy_account=PrivacyAccount.from_json(account) if account is not None else None,
             secagg=secagg, fail_partition=_read(config, "fail_partition", int),
         )
 

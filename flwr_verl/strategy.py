@@ -3,18 +3,20 @@
 What the server does each round:
 
 1. ``configure_fit``: sample clients and send each the global adapter and a
-   ``protocol.FitConfig``: ``proximal_mu``, the round number, the local iteration count, the
-   SecAgg+ bounds, and the server's copy of that client's own privacy account (no other
-   client's). Each client adds mu/2 * ||theta - theta_global||^2 to its objective (mu = 0 is
+   ``protocol.FitConfig``: ``proximal_mu``, the round number, the local iteration count and the
+   SecAgg+ bounds; no privacy history (each node's own ledger is the truth, ``ledger.py``). Each
+   client adds mu/2 * ||theta - theta_global||^2 to its objective (mu = 0 is
    FedAvg) and answers with its update and a ``protocol.FitReport``.
 2. ``aggregate_fit``: form the num_examples-weighted mean of the client *updates* (under
    SecAgg+ that mean arrives already aggregated, identical in every ``FitRes``: the server never
    sees one client's update), treat it as a pseudo-gradient and take one server-optimizer step:
    ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM (Hsu et al. 2019), ``adam`` is
    FedAdam (Reddi et al. 2021), each with its own default learning rate.
-3. Aggregate the clients' reports: num_examples-weighted means of the training metrics; for
-   epsilon the maximum over the whole privacy ledger (every client ever seen), so the
-   federation's epsilon never decreases.
+3. Aggregate the clients' reports: num_examples-weighted means of the training metrics (when
+   clients send them: ``privacy.metrics``); for epsilon the maximum over every client's latest
+   privacy report (every client ever seen), so the federation's epsilon never decreases. These
+   reports are a record of what nodes said, keyed by Flower's node id (never by the client's
+   self-reported ``client_id``, which another client could claim), and are never sent to anyone.
 4. ``configure_evaluate``/``aggregate_evaluate``: greedy reward on the clients' held-out prompts.
 
 Faults, and what the strategy does about them:
@@ -28,12 +30,13 @@ Faults, and what the strategy does about them:
 - A result with NaN or infinity (or, under SecAgg+, a non-finite aggregate) is rejected, never
   applied to the global adapter.
 - A client that refused a round for its privacy budget, or that reports that one more round
-  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again (its client id is
-  remembered in ``state_dict()``, so a resumed run does not sample it either). When fewer than
+  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again (its node id is
+  remembered in ``state_dict()``, so a resumed run does not sample it either). This only saves
+  a round trip: the node's own ledger refuses the round anyway. When fewer than
   ``min-fit-clients`` clients can still train, ``configure_fit`` raises ``StopFederation`` and
   the server ends the run normally after the last completed round.
 
-State that outlives a round (global weights, server optimizer, privacy ledger, exhausted
+State that outlives a round (global weights, server optimizer, privacy reports, exhausted
 clients, the last round's record) is ``state_dict()`` / ``load_state_dict()``, which the server
 checkpoints (``checkpoint.py``) after every aggregated round.
 """
@@ -205,9 +208,9 @@ class FedProxAdapters(Strategy):
                                           momentum=config.server_momentum if kind == "momentum" else 0.0))
         self.completed_round = 0  # the round the global adapter comes from, counted across resumes
         self.round_offset = 0  # rounds done before this run started (Flower counts from 1 again)
-        self.privacy_ledger: dict[str, PrivacyReport] = {}  # client id -> its latest privacy report
-        self.client_ids: dict[str, str] = {}  # Flower node (cid) -> the client id it reported
-        self.exhausted: dict[str, str] = {}  # client id -> why it is no longer sampled (privacy budget)
+        self.privacy_ledger: dict[str, PrivacyReport] = {}  # Flower node (cid) -> its latest privacy report
+        self.client_ids: dict[str, str] = {}  # Flower node (cid) -> the client id it reported (logs, SecAgg+ errors)
+        self.exhausted: dict[str, str] = {}  # Flower node (cid) -> why it is no longer sampled (privacy budget)
         self.last_round: dict[str, Any] = {}  # the record of the newest aggregated round
         self._round_start = time.perf_counter()
 
@@ -254,7 +257,7 @@ class FedProxAdapters(Strategy):
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
         self._round_start = time.perf_counter()
         self.wait_for_clients(server_round, client_manager)
-        excluded = {cid for cid, client_id in self.client_ids.items() if client_id in self.exhausted}
+        excluded = set(self.exhausted)
         num_available = client_manager.num_available()
         eligible = num_available - len(excluded & set(client_manager.all()))
         if self.exhausted and eligible < self.config.min_fit_clients:
@@ -285,12 +288,11 @@ class FedProxAdapters(Strategy):
             f"s; start more SuperNodes, or lower min-available-clients and min-fit-clients.{secagg}")
 
     def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
-        own = self.privacy_ledger.get(self.client_ids.get(client.cid, ""))
         return FitConfig(
             server_round=self.round_number(server_round), local_iterations=self.local_iterations,
             planned_iterations=self.local_iterations * self.config.num_server_rounds,
-            proximal_mu=self.config.proximal_mu, privacy_account=own.account if own else None,
-            secagg=self.secure_aggregation, fail_partition=self.config.inject_failure_partition,
+            proximal_mu=self.config.proximal_mu, secagg=self.secure_aggregation,
+            fail_partition=self.config.inject_failure_partition,
         )
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -307,7 +309,9 @@ class FedProxAdapters(Strategy):
             self._note(proxy, report)
         for message in messages:  # under SecAgg+ a refusing client leaves the round with this error
             if (error := CLIENT_ERROR.match(message)) and error["error"].startswith("PrivacyBudgetExhausted: "):
-                self.exhausted.setdefault(error["client_id"], message)
+                # Flower's SecAgg+ failures carry no node id, only the name the client gave itself.
+                for cid in [cid for cid, name in self.client_ids.items() if name == error["client_id"]]:
+                    self.exhausted.setdefault(cid, message)
         refused = [r for _, _, r in reports if r.status == STATUS_BUDGET]
         contributing = [(p, res, r) for p, res, r in reports if res.num_examples > 0 and r.status != STATUS_BUDGET]
         if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
@@ -357,15 +361,15 @@ class FedProxAdapters(Strategy):
         privacy = report.privacy
         if privacy is None:
             return
-        self.privacy_ledger[report.client_id] = privacy
+        self.privacy_ledger[proxy.cid] = privacy
         budget = privacy.epsilon_budget
         if report.status == STATUS_BUDGET or (budget and privacy.epsilon_next > budget):
             why = (f"client {report.client_id} (partition {report.partition_id}): epsilon "
                    f"{privacy.epsilon_total:.3g} spent, {privacy.epsilon_next:.3g} after one more round > budget "
                    f"{budget:g}")
-            if report.client_id not in self.exhausted:
+            if proxy.cid not in self.exhausted:
                 log(INFO, "privacy budget: %s; not sampled again", why)
-            self.exhausted[report.client_id] = why
+            self.exhausted[proxy.cid] = why
 
     def _server_step(self, mean_update: NDArrays) -> None:
         """The mean update is a descent direction: its negative is the pseudo-gradient."""

@@ -250,47 +250,6 @@ def test_node_config_can_only_tighten_the_epsilon_budget(tiny_config, rows):
         budget(8.0, {"epsilon-budget": -1.0})
 
 
-def test_privacy_ledger_is_kept_per_client_id_and_sent_only_to_its_owner(tiny_config, rows):
-    """Organisations with their own data all train on partition 0 of 1: ``client-id`` keeps their
-    privacy accounting apart in the server's ledger. Each client is sent back its own account
-    only, and a client restarted without its own state (a new process, a new run after a
-    server restart) continues from it."""
-    from flwr.app import Context, RecordDict
-
-    from flwr_verl.client import client_from_context
-
-    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True})
-
-    def client(name):
-        context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1, "client-id": name},
-                          state=RecordDict(), run_config={})
-        return client_from_context(context, config)
-
-    initial = build_models(config.model, with_critic=False).adapters.get_arrays()
-    strategy = strategy_for(initial, min_fit_clients=1)
-    manager = InProcessClients.named(["a", "b"])
-    names = {"a": "hospital-a", "b": "hospital-b"}
-    sampled = strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
-    assert all(FitConfig.from_config(ins.config).privacy_account is None for _, ins in sampled)
-    results = []
-    for proxy, fit_ins in sampled:
-        update, n, metrics = client(names[proxy.cid]).fit([a.copy() for a in initial], dict(fit_ins.config))
-        results.append((proxy, fit_res(update, n, metrics)))
-    strategy.aggregate_fit(1, results, [])
-    assert sorted(strategy.state_dict()["privacy_ledger"]) == ["hospital-a", "hospital-b"]
-    after_one = FitReport.from_metrics(results[0][1].metrics).privacy
-
-    instructions = {proxy.cid: FitConfig.from_config(ins.config)
-                    for proxy, ins in strategy.configure_fit(2, ndarrays_to_parameters(strategy.global_arrays),
-                                                             manager)}
-    assert instructions["a"].privacy_account == after_one.account  # its own, and not hospital-b's
-    fresh = client("hospital-a")  # no state of its own
-    _, _, metrics = fresh.fit(strategy.global_arrays, instructions["a"].to_config())
-    after_two = FitReport.from_metrics(metrics).privacy
-    assert after_two.account.steps == 2 * after_one.account.steps
-    assert after_two.epsilon_total > after_one.epsilon_total
-
-
 def test_checkpoints_are_atomic_and_resume_reconciles_metrics(tiny_config, tmp_path):
     """Killed between saving round 2 and appending its metrics, with a half-written round 3 and a
     metrics line of a round that has no checkpoint: resume sees rounds 0, 1 and 2, once each."""

@@ -458,14 +458,6 @@ def test_after_answers_what_if_without_spending():
     assert future.epsilon(DELTA) > account.epsilon(DELTA)
 
 
-def test_merge_keeps_the_record_that_spent_more_and_never_under_counts():
-    short, long = spent(1.0, 0.1, 5), spent(1.0, 0.1, 9)
-    assert short.merge(long).history == long.history == long.merge(short).history
-    assert short.merge(long).epsilon(DELTA) == long.epsilon(DELTA)
-    with pytest.raises(PrivacyAccountError, match="cannot merge"):
-        short.merge(spent(1.0, 0.1, 5, accountant="prv"))
-
-
 def test_account_round_trips_through_json_and_rejects_garbage():
     account = spent(0.9, 0.05, 7, epochs=2, accountant="prv")
     again = PrivacyAccount.from_json(account.to_json())

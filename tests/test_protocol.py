@@ -30,9 +30,9 @@ TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.3
 
 @pytest.mark.parametrize("config", [
     FitConfig(server_round=3, local_iterations=10, planned_iterations=80, proximal_mu=0.01),
-    FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0, privacy_account=ACCOUNT,
+    FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0,
               secagg=SecAggBounds(clipping_range=1.0, max_weight=4096.0), fail_partition=2),
-], ids=["plain", "secure-with-account"])
+], ids=["plain", "secure"])
 def test_fit_config_round_trips_through_flowers_config(config):
     wire = config.to_config()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
@@ -64,7 +64,6 @@ def test_evaluate_report_round_trips():
     ({"server_round": 1.5}, "'server_round'=1.5 must be of type int"),
     ({"proximal_mu": "0.1"}, "'proximal_mu'='0.1' must be of type float"),
     ({"secure": True}, "'secagg_clipping_range' is missing"),
-    ({"privacy_account": "{not json"}, "malformed privacy account"),
 ])
 def test_a_malformed_fit_config_names_the_entry(broken, message):
     wire = FitConfig(server_round=1, local_iterations=1, planned_iterations=1, proximal_mu=0.0).to_config()
