@@ -348,10 +348,10 @@ class FedProxAdapters(Strategy):
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_total")
-        log(INFO, "round %s: reward %.3f -> %.3f, kl %.4f, epsilon %s, %s clients, %s failed, %s refused",
-            round_number, metrics.get("reward_before", math.nan), metrics.get("reward_after", math.nan),
-            metrics.get("kl", math.nan), "off" if epsilon is None else f"{epsilon:.2f}",
-            len(contributing), len(messages), len(refused))
+        training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}, kl {metrics['kl']:.4f}"
+                    if "reward_before" in metrics else "training metrics not sent")
+        log(INFO, "round %s: %s, epsilon %s, %s clients, %s failed, %s refused", round_number, training,
+            "off" if epsilon is None else f"{epsilon:.2f}", len(contributing), len(messages), len(refused))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
     def _note(self, proxy: ClientProxy, report: FitReport) -> None:

@@ -157,7 +157,8 @@ def progress_line(record: dict, rounds: int) -> str:
     """One line per round: sampled reward before and after local training, held-out accuracy,
     epsilon so far against the strictest budget, seconds, and bytes up and down."""
     fit, evaluation = record.get("fit", {}), record.get("evaluate", {})
-    parts = [f"reward {fit.get('reward_before', math.nan):.3f} -> {fit.get('reward_after', math.nan):.3f}",
+    parts = [f"reward {fit['reward_before']:.3f} -> {fit['reward_after']:.3f}" if "reward_before" in fit
+             else "training metrics not sent",
              f"held-out accuracy {evaluation['accuracy']:.3f}" if "accuracy" in evaluation else "not evaluated"]
     if "epsilon_total" in fit:
         budget = f" of budget {fit['epsilon_budget']:g}" if "epsilon_budget" in fit else ""

@@ -37,3 +37,10 @@ def model_path():
     from flwr_verl.embedded import embedded_model_path
 
     return embedded_model_path()
+
+
+@pytest.fixture(autouse=True)
+def node_state_outside_home(tmp_path_factory, monkeypatch):
+    """Flower's state directory (where a node's default privacy ledger lives) is a fresh folder per
+    test, never the user's ~/.flwr: a ledger left by one test would spend another's budget."""
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path_factory.mktemp("flwr_home")))

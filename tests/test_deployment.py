@@ -12,6 +12,7 @@ Every process is stopped at the end, whatever happened (``local_deployment``).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -105,7 +106,7 @@ def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
     run_dir, log, _ = deployed_run
     assert log.count("; not sampled again") == 3  # each client, once, after round 2
     assert "flwr-verl: only 0 of 3 clients can train another round within their privacy budget" in log, log
-    assert "stopping after round 2" in log and "[ROUND 3]" in log and "round 3: reward" not in log
+    assert "stopping after round 2" in log and "[ROUND 3]" in log and not re.search(r"round 3: (reward|training)", log)
     assert tree_digest(run_dir / "adapters" / "final") == tree_digest(run_dir / "adapters" / "round-0002")
     budget = budget_for_two_rounds()
     assert all(r["fit"]["epsilon_total"] <= budget for r in records(run_dir) if "fit" in r)
