@@ -44,6 +44,7 @@ partition id); the server keys what it keeps per client by Flower's node id, nev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any
@@ -85,7 +86,7 @@ from flwr_verl.secagg import check_update, exact_update
 from flwr_verl.trainer import LocalPPOTrainer
 
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
-NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in its reports (display only)
+NODE_CLIENT_ID = "client-id"  # node-config key: the name this client gives itself in reports and error lines
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
@@ -192,8 +193,6 @@ class VerlClient(NumPyClient):
         # Without a ledger (in-process experiments) spends last as long as this client object.
         self.ledger = ledger or PrivacyLedger(IN_MEMORY)
         self.run_id = run_id
-        self.data_set = DataSetKey(fingerprint_rows(train_rows), PRIVACY_UNIT,
-                                   f"{describe_source(config)}, partition {partition_id}, {len(train_rows)} prompts")
 
     # ------------------------------------------------------------------ Flower API
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
@@ -276,6 +275,14 @@ class VerlClient(NumPyClient):
         return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
 
     # ------------------------------------------------------------------ privacy state
+    @functools.cached_property
+    def data_set(self) -> DataSetKey:
+        """What this client's spends are recorded against: its training rows' hash and the unit
+        (computed on the first fit: evaluation and preflight messages do not need it)."""
+        return DataSetKey(fingerprint_rows(self.train_rows), PRIVACY_UNIT,
+                          f"{describe_source(self.config)}, partition {self.partition_id}, "
+                          f"{len(self.train_rows)} prompts")
+
     def _mechanism(self, instructions: FitConfig) -> IterationMechanism | None:
         """What one local iteration will spend; None without privacy."""
         privacy = self.config.privacy

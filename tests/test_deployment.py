@@ -20,6 +20,7 @@ import pytest
 from deploy.certs import make_node_key, make_tls
 from deploy.launch import base_env, free_port, kill_processes_with_env
 from flwr_verl.config import parse_run_config
+from flwr_verl.ledger import PrivacyLedger
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
 from tests.flower_harness import (
     REPO,
@@ -36,18 +37,24 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    with local_deployment(tmp_path_factory.mktemp("deploy") / "fl", num_supernodes=3, tls=True, auth=True) as fed:
+    root = tmp_path_factory.mktemp("deploy") / "fl"
+    # Node 0 names its ledger file; nodes 1 and 2 keep theirs at the default, under their FLWR_HOME.
+    ledger = {0: {"privacy-ledger": str(root / "org-0-ledger.sqlite")}}
+    with local_deployment(root, num_supernodes=3, tls=True, auth=True, node_config=ledger) as fed:
         yield fed
+
+
+def epsilon_after(rounds: int) -> float:
+    """What SMALL_RUN's clients have spent after ``rounds`` rounds."""
+    engine = parse_run_config(SMALL_RUN).engine
+    q = sample_rate(engine.data.train_batch_size, engine.data.train_size)
+    mechanism = IterationMechanism(engine.privacy.noise_multiplier, q, engine.actor.ppo_epochs)
+    return PrivacyAccount().after(mechanism, rounds * engine.trainer.local_iterations).epsilon(engine.privacy.delta)
 
 
 def budget_for_two_rounds() -> float:
     """An epsilon budget that SMALL_RUN's clients can spend in 2 rounds but not in 3."""
-    engine = parse_run_config(SMALL_RUN).engine
-    q = sample_rate(engine.data.train_batch_size, engine.data.train_size)
-    mechanism = IterationMechanism(engine.privacy.noise_multiplier, q, engine.actor.ppo_epochs)
-    two, three = (PrivacyAccount().after(mechanism, k * engine.trainer.local_iterations).epsilon(engine.privacy.delta)
-                  for k in (2, 3))
-    return (two + three) / 2
+    return (epsilon_after(2) + epsilon_after(3)) / 2
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +117,32 @@ def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
     assert tree_digest(run_dir / "adapters" / "final") == tree_digest(run_dir / "adapters" / "round-0002")
     budget = budget_for_two_rounds()
     assert all(r["fit"]["epsilon_total"] <= budget for r in records(run_dir) if "fit" in r)
+
+
+def test_a_restarted_supernode_keeps_its_ledger_and_a_new_run_continues_from_it(deployment, deployed_run,
+                                                                                tmp_path):
+    """Run 1 spent two rounds of the budget on every node's data. SuperNode 0 is restarted, then
+    run 2, with the same budget, starts on the same data: every client counts from run 1's spend
+    (one more round would bring it to three rounds' epsilon, not one), so all refuse and nothing
+    is trained. Refusals spend nothing: the ledgers still hold run 1's spends only."""
+    deployment.kill_supernode(0)
+    deployment.start_supernode(0)
+    deployment.wait_supernode(0)
+    out = tmp_path / "second-run"
+    done = deployment.flwr_run(REPO, {**SMALL_RUN, "num-server-rounds": 1, "privacy.epsilon_budget":
+                                      budget_for_two_rounds(), "output-dir": str(out)}, timeout=600)
+    log = done.stdout + done.stderr
+    wanted = re.findall(r"PrivacyBudgetExhausted: one more round would spend epsilon (\S+) >", log)
+    assert wanted and all(float(e) == pytest.approx(epsilon_after(3), rel=5e-3) for e in wanted), log[-4000:]
+    assert "Secure aggregation completed" not in log
+    assert not list(out.glob("*/adapters/round-*"))
+    iterations = 2 * parse_run_config(SMALL_RUN).engine.trainer.local_iterations
+    for path in (deployment.root / "org-0-ledger.sqlite",
+                 deployment.supernodes[1].flwr_home / "flwr-verl" / "privacy-ledger.sqlite"):
+        ledger = PrivacyLedger(path, read_only=True)
+        (data_set,) = ledger.data_sets()
+        (run,) = ledger.runs(data_set)
+        assert run.iterations == iterations and run.last_round == 2
 
 
 def refused(deployment, command: list[str], tmp_path, name: str) -> str:
