@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,7 @@ class PrivacyLedger:
     def __init__(self, path: str | Path, *, timeout: float = 30.0, read_only: bool = False) -> None:
         self.path = path if str(path) == IN_MEMORY else Path(path).expanduser()
         self.timeout = timeout
+        self._lock = threading.Lock()  # one transaction at a time on this connection, whatever the thread
         if read_only:
             try:
                 self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout)
@@ -176,19 +178,20 @@ class PrivacyLedger:
     @contextlib.contextmanager
     def _transaction(self):
         """A write transaction: SQLite's write lock, taken at once, so check and write are atomic."""
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as error:
-            locked = "locked" in str(error)
-            raise LedgerError(f"privacy ledger {self.path}: " + (
-                f"no write lock within {self.timeout:g} s (another run is holding it): {error}" if locked
-                else f"cannot write: {error}")) from error
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as error:
+                locked = "locked" in str(error)
+                raise LedgerError(f"privacy ledger {self.path}: " + (
+                    f"no write lock within {self.timeout:g} s (another run is holding it): {error}" if locked
+                    else f"cannot write: {error}")) from error
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ reading
     def _spends(self, where: str = "", args: tuple = ()) -> list[tuple]:

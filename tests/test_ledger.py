@@ -10,6 +10,7 @@ processes: concurrent spenders never exceed the budget.
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,17 @@ def test_bad_ledger_paths_fail_before_training(tiny_config, tmp_path, new_proces
     assert cli_main(["ledger", "show", str(tmp_path / "missing.sqlite")]) == 2
     assert "cannot read the privacy ledger" in capsys.readouterr().err
     assert not (tmp_path / "missing.sqlite").exists()
+
+
+def test_a_spender_waits_for_the_write_lock_with_a_deadline_and_says_why(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    waiting = PrivacyLedger(path, timeout=0.2)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another run in the middle of its check-and-spend
+    try:
+        with pytest.raises(LedgerError, match=r"no write lock within 0.2 s \(another run is holding it\)"):
+            waiting.spend(DataSetKey("d", "prompt"), IterationMechanism(1.0, 0.1), 1, budget=0, delta=DELTA,
+                          accountant="rdp", run_id="r", server_round=1)
+    finally:
+        holder.execute("ROLLBACK")
+    assert waiting.account(DataSetKey("d", "prompt")).steps == 0
