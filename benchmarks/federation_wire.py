@@ -110,7 +110,8 @@ def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str
     with tempfile.TemporaryDirectory() as tmp:
         config = {**run_config, "output-dir": str(Path(tmp) / "out")}
         contexts = {node: Context(run_id=1, node_id=node, state=RecordDict(), run_config=config,
-                                  node_config={"partition-id": node - 1, "num-partitions": num_clients})
+                                  node_config={"partition-id": node - 1, "num-partitions": num_clients,
+                                               "privacy-ledger": str(Path(tmp) / "ledger.sqlite")})
                     for node in range(1, num_clients + 1)}
         grid = LoopbackGrid(client_app, contexts)
         run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))

@@ -157,19 +157,18 @@ def reported_num_examples(mode: str, num_prompts: int) -> int:
     return num_prompts
 
 
-def cached_ledger(path: str) -> PrivacyLedger:
-    """One connection per process and ledger file (Flower re-creates clients per message)."""
-    if path not in _LEDGERS:
-        _LEDGERS[path] = PrivacyLedger(path)
-    return _LEDGERS[path]
-
-
 def _nbytes(arrays: list[np.ndarray]) -> int:
     return int(sum(a.nbytes for a in arrays))
 
 
 class VerlClient(NumPyClient):
-    """Federated RLHF client: verl PPO on LoRA adapters, under Opacus DP, exchanging adapter updates."""
+    """Federated RLHF client: verl PPO on LoRA adapters, under Opacus DP, exchanging adapter updates.
+
+    ``ledger`` is the node's privacy ledger (``node_ledger(context)`` in a ClientApp). Without one
+    the client keeps its spends in memory for its own lifetime: right for in-process experiments
+    that keep one client object, wrong for a ClientApp, which builds a client per message.
+    ``run_id`` labels this run's spends in the ledger.
+    """
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
@@ -311,16 +310,24 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
-    ledger = context.node_config.get(NODE_PRIVACY_LEDGER, str(default_path()))
-    if not isinstance(ledger, str) or not ledger.strip():
-        raise ConfigError(f"node config {NODE_PRIVACY_LEDGER}={ledger!r} is invalid: must be a file path")
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
-        ledger=cached_ledger(ledger) if config.privacy.enabled else None, run_id=str(context.run_id),
+        ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
     )
+
+
+def node_ledger(context: Context) -> PrivacyLedger:
+    """This node's privacy ledger: the file at node config ``privacy-ledger``, else the default
+    under Flower's state directory (one connection per process)."""
+    path = context.node_config.get(NODE_PRIVACY_LEDGER, str(default_path()))
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"node config {NODE_PRIVACY_LEDGER}={path!r} is invalid: must be a file path")
+    if path not in _LEDGERS:
+        _LEDGERS[path] = PrivacyLedger(path)
+    return _LEDGERS[path]
 
 
 def describe_source(config: EngineConfig) -> str:
