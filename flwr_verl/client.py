@@ -34,7 +34,9 @@ Node config keys read here: ``partition-id`` and ``num-partitions`` (which share
 this node trains on), ``epsilon-budget`` (above), and ``client-id``: the name under which the
 server's privacy ledger keeps this client's accounting (default: the partition id). Set it when
 organisations bring their own data (``partition-id=0 num-partitions=1`` on every node), so that
-their ledgers do not collide.
+their ledgers do not collide. ``reward-model-path``: this node's own reward model, in place of
+the run config's ``reward_model.model.path`` when ``reward_model.enable`` is on; it is loaded
+here and never leaves the node (``flwr_verl.reward_model``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from flwr_verl.protocol import (
     PrivacyReport,
     TrainingSummary,
 )
+from flwr_verl.reward_model import PATH_KEY, RewardModel, load_reward_model
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
 from flwr_verl.trainer import LocalPPOTrainer
@@ -68,9 +71,11 @@ from flwr_verl.trainer import LocalPPOTrainer
 STATE_KEY = "flwr_verl"
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
 NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in the server's privacy ledger
+NODE_REWARD_MODEL_PATH = "reward-model-path"  # node-config key: this node's own reward model (never sent)
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
+_REWARD_MODELS: dict[str, RewardModel] = {}
 
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
@@ -90,6 +95,14 @@ def cached_models(config: EngineConfig) -> Models:
     if key not in _MODELS:
         _MODELS[key] = build_models(config.model, config.needs_critic, seed=config.trainer.seed)
     return _MODELS[key]
+
+
+def cached_reward_model(path: str, key: str, device) -> RewardModel:
+    """One reward model per process, path and device (read-only, so clients can share it)."""
+    cache_key = repr((path, str(device)))
+    if cache_key not in _REWARD_MODELS:
+        _REWARD_MODELS[cache_key] = load_reward_model(path, device, key=key)
+    return _REWARD_MODELS[cache_key]
 
 
 def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
@@ -136,7 +149,8 @@ class VerlClient(NumPyClient):
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, state: ConfigRecord | None = None,
-                 compute_score=None, client_id: str | None = None) -> None:
+                 compute_score=None, client_id: str | None = None, reward_model: RewardModel | None = None,
+                 reward_model_key: str = PATH_KEY) -> None:
         self.config = config
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
@@ -151,7 +165,12 @@ class VerlClient(NumPyClient):
         preflight_reward(compute_score, train_rows or val_rows)
         models = models or cached_models(config)
         check_lengths(config, models, train_rows + val_rows)
-        self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score)
+        if config.reward_model.enable and reward_model is None:
+            reward_model = cached_reward_model(config.reward_model.model.path, reward_model_key, models.device)
+        if reward_model is not None:
+            reward_model.check_fits(train_rows + val_rows, config.rollout.response_length)
+        self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score,
+                                       reward_model=reward_model)
         self.adapters = self.trainer.models.adapters
         self.state = state if state is not None else ConfigRecord()
 
@@ -265,6 +284,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
+    config, reward_model_key = with_node_reward_model(config, context.node_config.get(NODE_REWARD_MODEL_PATH))
     if STATE_KEY not in context.state.config_records:
         context.state.config_records[STATE_KEY] = ConfigRecord()
     return VerlClient(
@@ -272,8 +292,21 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, state=context.state.config_records[STATE_KEY],
-        client_id=context.node_config.get(NODE_CLIENT_ID),
+        client_id=context.node_config.get(NODE_CLIENT_ID), reward_model_key=reward_model_key,
     )
+
+
+def with_node_reward_model(config: EngineConfig, path: Any) -> tuple[EngineConfig, str]:
+    """``config`` with the node's own ``reward-model-path`` in place of ``reward_model.model.path``,
+    and the key that errors about the path should name. The node's model is used only when the
+    run enables a reward model (``reward_model.enable``): the objective is the federation's choice."""
+    if path is None or not config.reward_model.enable:
+        return config, PATH_KEY
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"node config {NODE_REWARD_MODEL_PATH}={path!r} is invalid: must be a directory path")
+    reward_model = dataclasses.replace(config.reward_model,
+                                       model=dataclasses.replace(config.reward_model.model, path=path))
+    return dataclasses.replace(config, reward_model=reward_model), f"node config {NODE_REWARD_MODEL_PATH}"
 
 
 def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:

@@ -120,6 +120,39 @@ class RewardConfig:
                 "must be a finite number >= 0 (0 = off)")
 
 
+REWARD_COMBINE = ("replace", "add")
+
+
+@dataclass
+class RewardModelPathConfig:
+    """verl's ``reward_model.model``: where the reward model lies on this node."""
+
+    path: str = ""  # a local AutoModelForSequenceClassification directory (1 label), or a PEFT adapter on one
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: a learned reward model, local to each client.
+
+    ``combine``: ``replace`` scores with the model alone; ``add`` adds the model's score to
+    ``rule_weight`` times the rule reward (``custom_reward_function``). The path may be empty
+    here when every node names its own model in its node config (``reward-model-path``); it is
+    checked on the node that loads it, since the model never leaves its node.
+    """
+
+    enable: bool = False
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    micro_batch_size: int = 32  # sequences per reward-model forward pass
+    combine: str = "replace"
+    rule_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.micro_batch_size > 0, "reward_model.micro_batch_size", self.micro_batch_size, "must be > 0")
+        require(self.combine in REWARD_COMBINE, "reward_model.combine", self.combine,
+                f"allowed: {', '.join(REWARD_COMBINE)}")
+        require(math.isfinite(self.rule_weight), "reward_model.rule_weight", self.rule_weight, "must be finite")
+
+
 @dataclass
 class RolloutConfig:
     n: int = 4
@@ -263,6 +296,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     custom_reward_function: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

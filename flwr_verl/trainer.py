@@ -4,7 +4,8 @@ One iteration, top to bottom (B prompts, n responses each, R = response length):
 
 1. sample B prompt rows (Poisson under DP)
 2. rollout: B*n responses                                   -> DataProto (B*n, P+R)
-3. reward: verl's NaiveRewardManager                        -> token_level_scores (B*n, R)
+3. reward: verl's NaiveRewardManager (rule), or a learned
+   reward model (``reward_model.LearnedReward``)            -> token_level_scores (B*n, R)
 4. log-probs under the rollout policy and the reference     -> old_log_probs, ref_log_prob (B*n, R)
    (the reference is the same model with the adapter disabled); values for gae (B*n, R)
 5. KL in the reward (verl's apply_kl_penalty), advantages (verl's compute_advantage)
@@ -42,6 +43,7 @@ from flwr_verl.models import Models, build_models
 from flwr_verl.privacy import IterationMechanism, PrivateUpdate, make_private, sample_rate
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.proximal import Proximal
+from flwr_verl.reward_model import LearnedReward, RewardModel
 from flwr_verl.rewards import make_reward_manager, resolve_compute_score
 from flwr_verl.rollout import generate
 
@@ -109,7 +111,7 @@ class LocalPPOTrainer:
     """Runs verl's PPO family on one client's prompts, updating only LoRA adapter weights."""
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], *, models: Models | None = None,
-                 compute_score=None) -> None:
+                 compute_score=None, reward_model: RewardModel | None = None) -> None:
         torch.set_num_threads(config.trainer.num_threads)
         self.config = config
         self.train_rows = train_rows
@@ -118,6 +120,10 @@ class LocalPPOTrainer:
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]  # the LoRA weights
         score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
         self.reward_fn = make_reward_manager(self.tokenizer, score, config.custom_reward_function.clip)
+        # What training optimises: the rule reward, or a learned reward model (reward_model.enable).
+        # Evaluation always scores with the rule: the true objective the learned one stands in for.
+        self.train_reward = (self.reward_fn if reward_model is None else
+                             LearnedReward(reward_model, self.tokenizer, config.reward_model, rule=self.reward_fn))
         actor, algorithm = config.actor, config.algorithm
         self.actor_config = VerlActorConfig(
             strategy="fsdp", rollout_n=config.rollout.n, ppo_mini_batch_size=actor.ppo_mini_batch_size,
@@ -213,11 +219,11 @@ class LocalPPOTrainer:
         with _timed(timings, "rollout"):
             batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length)
         with _timed(timings, "reward"):
-            batch.batch["token_level_scores"] = self.reward_fn(batch)
+            batch.batch["token_level_scores"] = self.train_reward(batch)
             if cfg.algorithm.adv_estimator == "remax":  # baseline: reward of the greedy response
                 greedy = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
                                   n=1, greedy=True)
-                baseline = self.reward_fn(greedy).sum(-1)
+                baseline = self.train_reward(greedy).sum(-1)
                 batch.batch["reward_baselines"] = baseline.repeat_interleave(cfg.rollout.n)
         with _timed(timings, "log_prob"):
             batch.batch["old_log_probs"] = self._log_probs(batch)

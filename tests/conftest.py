@@ -37,3 +37,17 @@ def model_path():
     from flwr_verl.embedded import embedded_model_path
 
     return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def reward_model_dirs(tmp_path_factory):
+    """Tiny reward models: ``same`` shares the embedded policy's tokenizer (Llama), ``other`` has
+    its own tokenizer with a chat template (GPT-2)."""
+    from flwr_verl.embedded import build_tokenizer
+    from tests.reward_models import other_tokenizer, save_classifier
+
+    root = tmp_path_factory.mktemp("reward_models")
+    return {
+        "same": save_classifier(root / "same", build_tokenizer(), arch="llama"),
+        "other": save_classifier(root / "other", other_tokenizer(), arch="gpt2", seed=1),
+    }
