@@ -51,8 +51,8 @@ from flwr.app import ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
-from flwr_verl.data import Row, load_rows
-from flwr_verl.models import Models, build_models, check_lengths
+from flwr_verl.data import Row
+from flwr_verl.models import Models, check_lengths
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
 from flwr_verl.protocol import (
     STATUS_BUDGET,
@@ -66,6 +66,7 @@ from flwr_verl.protocol import (
 from flwr_verl.reward_model import PATH_KEY, RewardModel, load_reward_model
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
+from flwr_verl.stages import build_stage_models, load_stage_rows, reward_model_trainer
 from flwr_verl.trainer import LocalPPOTrainer
 
 STATE_KEY = "flwr_verl"
@@ -91,9 +92,9 @@ class PrivacyBudgetExhausted(FlwrVerlError, RuntimeError):
 
 def cached_models(config: EngineConfig) -> Models:
     """One set of models per process and model config (Flower re-creates clients per message)."""
-    key = repr((config.model, config.needs_critic, config.trainer.seed))
+    key = repr((config.stage, config.model, config.needs_critic, config.trainer.seed))
     if key not in _MODELS:
-        _MODELS[key] = build_models(config.model, config.needs_critic, seed=config.trainer.seed)
+        _MODELS[key] = build_stage_models(config)
     return _MODELS[key]
 
 
@@ -106,9 +107,9 @@ def cached_reward_model(path: str, key: str, device) -> RewardModel:
 
 
 def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
-    key = repr((config.data, split, partition_id, num_partitions, config.trainer.seed))
+    key = repr((config.stage, config.data, split, partition_id, num_partitions, config.trainer.seed))
     if key not in _ROWS:
-        _ROWS[key] = load_rows(config.data, split, config.trainer.seed, partition_id, num_partitions)
+        _ROWS[key] = load_stage_rows(config, split, config.trainer.seed, partition_id, num_partitions)
     return _ROWS[key]
 
 
@@ -160,6 +161,11 @@ class VerlClient(NumPyClient):
             raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
                               f"it must be below 1/N = {1 / len(train_rows):.3g} (at delta >= 1/N a mechanism may "
                               "publish one prompt outright and still meet the guarantee)")
+        self.state = state if state is not None else ConfigRecord()
+        if config.stage == "reward_model":  # the local objective is Bradley-Terry on preference pairs
+            self.trainer = reward_model_trainer(config, train_rows, val_rows, models or cached_models(config))
+            self.adapters = self.trainer.models.adapters
+            return
         compute_score = checked(compute_score or resolve_compute_score(config.custom_reward_function, config.data),
                                 config.custom_reward_function.clip)
         preflight_reward(compute_score, train_rows or val_rows)
@@ -172,7 +178,6 @@ class VerlClient(NumPyClient):
         self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score,
                                        reward_model=reward_model)
         self.adapters = self.trainer.models.adapters
-        self.state = state if state is not None else ConfigRecord()
 
     # ------------------------------------------------------------------ Flower API
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:

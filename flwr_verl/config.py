@@ -289,9 +289,17 @@ class TrainerConfig:
         require(self.num_threads >= 1, "trainer.num_threads", self.num_threads, "must be >= 1")
 
 
+# The stages of the RLHF pipeline, each a local objective on LoRA adapters (``flwr_verl.stages``):
+# policy: verl's PPO family against the rule reward or a learned reward model (reward_model.*);
+# reward_model: a reward model learned from preference pairs (Bradley-Terry, ``flwr_verl.preference``).
+STAGES = ("policy", "reward_model")
+
+
 @dataclass
 class EngineConfig:
-    """Everything one client's local RL engine needs."""
+    """Everything one client's local RL engine needs. ``stage`` picks the local objective; under
+    ``reward_model`` the data files are preference pairs and ``actor``'s optimizer keys (lr,
+    weight_decay, grad_clip, ppo_epochs, ppo_mini_batch_size) configure the reward model's update."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -303,8 +311,12 @@ class EngineConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    stage: str = "policy"
 
     def __post_init__(self) -> None:
+        require(self.stage in STAGES, "stage", self.stage, f"allowed: {', '.join(STAGES)}")
+        require(not (self.stage == "reward_model" and self.reward_model.enable), "reward_model.enable",
+                self.reward_model.enable, "must be false under stage='reward_model' (that stage trains one)")
         batch, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         require(batch % mini == 0, "actor.ppo_mini_batch_size", mini,
                 f"must divide data.train_batch_size={batch}")
@@ -329,7 +341,7 @@ class EngineConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return self.stage == "policy" and self.algorithm.adv_estimator == "gae"
 
 
 # ----------------------------------------------------------------------------- federation

@@ -126,11 +126,20 @@ def _classifier_config(path: str, key: str, shown: str):
     return config
 
 
-def _load_classifier(path: str, key: str, shown: str, dtype: torch.dtype) -> torch.nn.Module:
+def _load_classifier(path: str, key: str, shown: str, dtype: torch.dtype,
+                     head_from_adapter: bool = False) -> torch.nn.Module:
+    """A one-label classifier from ``path``. With ``head_from_adapter`` (the base of a PEFT
+    adapter that saves the score head) any model with a sequence-classification variant will
+    do, a causal LM included: the adapter brings the head."""
     from transformers import AutoModelForSequenceClassification
 
-    _classifier_config(path, key, shown)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if not head_from_adapter:
+        _classifier_config(path, key, shown)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                   local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"{key}={shown!r} cannot be loaded as a sequence classifier: {error}") from error
     if not isinstance(getattr(model, SCORE_HEAD, None), torch.nn.Module):
         raise ConfigError(f"{key}={shown!r}: {type(model).__name__} has no '{SCORE_HEAD}' head; expected a "
                           "decoder sequence classifier (Llama, Qwen2, Mistral, GPT-2, ...)")
@@ -170,8 +179,12 @@ def load_reward_model(path: str, device: torch.device, *, key: str = PATH_KEY,
         if str(getattr(adapter, "task_type", "")) not in ("SEQ_CLS", "TaskType.SEQ_CLS"):
             raise ConfigError(f"{key}={path!r}: a PEFT adapter of task_type={adapter.task_type!r}; a reward "
                               "model adapter has task_type='SEQ_CLS'")
+        if SCORE_HEAD not in set(getattr(adapter, "modules_to_save", None) or []):
+            raise ConfigError(f"{key}={path!r}: the adapter does not save the '{SCORE_HEAD}' head "
+                              f"(modules_to_save={adapter.modules_to_save!r}), so its score would be untrained; "
+                              f"train it with modules_to_save=['{SCORE_HEAD}']")
         base_path = adapter.base_model_name_or_path or ""
-        base = _load_classifier(base_path, key, f"{path} (its base {base_path})", dtype)
+        base = _load_classifier(base_path, key, f"{path} (its base {base_path})", dtype, head_from_adapter=True)
         model = PeftModel.from_pretrained(base, str(directory))
         tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() else Path(base_path)
     else:

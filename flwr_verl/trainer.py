@@ -65,7 +65,8 @@ class PlainUpdate:
         """A random split of the units into equal mini-batches."""
         return np.array_split(self.rng.permutation(unit_count), self.num_mini_batches)
 
-    def step(self) -> dict[str, float]:
+    def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
+        """One step on the mini-batch gradient (``unit_of_row`` matters only under DP)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.proximal.add_gradient(self.params)
         self.optimizer.step()
@@ -77,6 +78,39 @@ class PlainUpdate:
 
     def close(self) -> None:
         """Nothing is attached to the model."""
+
+
+def start_update(model: torch.nn.Module, params: list[torch.nn.Parameter], num_units: int, cfg: EngineConfig, *,
+                 rows_per_unit: int, anchor: Sequence[np.ndarray | torch.Tensor] | None, proximal_mu: float,
+                 noise_multiplier: float | None, seed: int) -> tuple[PlainUpdate | PrivateUpdate, Iterator[list[int]]]:
+    """The update of one fit of ``params`` (trainable weights of ``model``) over ``num_units``
+    privacy units, and the endless stream of unit batches it draws from (Poisson under DP): a
+    fresh AdamW at ``actor.lr``, FedProx's term anchored at ``anchor`` (default: the current
+    weights), DP-SGD when ``privacy.enabled`` (``noise_multiplier`` overrides the config's). The
+    caller closes the update. Shared by every local objective (PPO, Bradley-Terry)."""
+    sample_rate(cfg.data.train_batch_size, num_units)  # batch must fit the units
+    num_mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    proximal = Proximal.at(params, params if anchor is None else anchor, proximal_mu)
+    optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+    update: PlainUpdate | PrivateUpdate
+    if cfg.privacy.enabled:
+        model.train()  # Opacus validates the module in training mode
+        update = make_private(
+            model, optimizer, num_units, cfg.privacy,
+            batch_size=cfg.data.train_batch_size, num_mini_batches=num_mini_batches,
+            rows_per_unit=rows_per_unit, ppo_epochs=cfg.actor.ppo_epochs,
+            noise_multiplier=cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier,
+            proximal=proximal, seed=seed if cfg.privacy.deterministic else None,
+        )
+        batches = _forever(update.sampler)
+    else:
+        update = PlainUpdate(optimizer, params, proximal, cfg.actor.grad_clip, num_mini_batches,
+                             np.random.default_rng(seed))
+        batches = _forever(torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.arange(num_units, device="cpu")),
+            batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
+            generator=torch.Generator().manual_seed(seed)))
+    return update, (batch[0].tolist() for batch in batches)
 
 
 @dataclass
@@ -161,37 +195,16 @@ class LocalPPOTrainer:
         update. Under privacy ``noise_multiplier`` overrides ``privacy.noise_multiplier``.
         Opacus is detached from the model when the block ends."""
         cfg = self.config
-        sample_rate(cfg.data.train_batch_size, len(self.train_rows))  # batch must fit the prompts
         torch.manual_seed(seed)  # rollout sampling
-        params = self.policy_params
-        proximal = Proximal.at(params, params if anchor is None else anchor, proximal_mu)
-        optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        update: PlainUpdate | PrivateUpdate
-        if cfg.privacy.enabled:
-            self.policy.train()  # Opacus validates the module in training mode
-            update = make_private(
-                self.policy, optimizer, len(self.train_rows), cfg.privacy,
-                batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
-                rows_per_unit=cfg.rollout.n, ppo_epochs=cfg.actor.ppo_epochs,
-                noise_multiplier=cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier,
-                proximal=proximal, seed=seed if cfg.privacy.deterministic else None,
-            )
-            batches = _forever(update.sampler)
-        else:
-            update = PlainUpdate(optimizer, params, proximal, cfg.actor.grad_clip, self.num_mini_batches,
-                                 np.random.default_rng(seed))
-            loader = torch.utils.data.DataLoader(
-                torch.utils.data.TensorDataset(torch.arange(len(self.train_rows), device="cpu")),
-                batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
-                generator=torch.Generator().manual_seed(seed))
-            batches = _forever(loader)
+        update, batches = start_update(self.policy, self.policy_params, len(self.train_rows), cfg,
+                                       rows_per_unit=cfg.rollout.n, anchor=anchor, proximal_mu=proximal_mu,
+                                       noise_multiplier=noise_multiplier, seed=seed)
         critic_optimizer = (
             torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic.lr)
             if self.critic is not None else None
         )
         try:
-            yield LocalFit(update=update, batches=(batch[0].tolist() for batch in batches),
-                           critic_optimizer=critic_optimizer)
+            yield LocalFit(update=update, batches=batches, critic_optimizer=critic_optimizer)
         finally:
             update.close()
 

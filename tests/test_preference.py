@@ -1,0 +1,130 @@
+"""Stage ``reward_model``: preference data, the Bradley-Terry objective under DP, outputs."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from flwr_verl.config import PrivacyConfig, parse_run_config
+from flwr_verl.data import DataError
+from flwr_verl.preference import (
+    LocalRewardModelTrainer,
+    PreferenceUnit,
+    bradley_terry_loss,
+    build_reward_model_trainee,
+    load_preference_files,
+    load_units,
+    pair_batch,
+    pair_scores,
+)
+
+STAGE1 = {"stage": "reward_model", "privacy.enabled": True, "privacy.noise_multiplier": 1.0,
+          "privacy.deterministic": True, "data.train_size": 64, "data.val_size": 32, "data.train_batch_size": 16,
+          "actor.ppo_mini_batch_size": 8}
+
+
+def stage1_config(**overrides):
+    return parse_run_config({**STAGE1, **overrides}).engine
+
+
+@pytest.fixture(scope="module")
+def trainee():
+    config = stage1_config()
+    return config, build_reward_model_trainee(config.model, seed=config.trainer.seed)
+
+
+# ----------------------------------------------------------------------------- data
+def test_plain_and_conversational_rows_group_into_units_by_prompt(tmp_path):
+    path = tmp_path / "prefs.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+        {"prompt": "1+1=", "chosen": "2", "rejected": "11"},
+    ]), path)
+    units = load_preference_files(str(path))
+    assert [(u.prompt[0]["content"], u.pairs) for u in units] == [("1+1=", [("2", "3"), ("2", "11")]),
+                                                                  ("2+2=", [("4", "5")])]
+    chat = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "chosen": [{"role": "assistant", "content": "2"}], "rejected": [{"role": "assistant", "content": "3"}],
+    }]), chat)
+    assert load_preference_files(str(chat))[0].pairs == [("2", "3")]
+
+
+PLAIN = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+CHAT = {"prompt": [{"role": "user", "content": "1+1="}], "chosen": [{"role": "assistant", "content": "2"}],
+        "rejected": [{"role": "assistant", "content": "3"}]}
+
+
+@pytest.mark.parametrize("good, bad, field", [
+    (PLAIN, {"prompt": "1+1=", "chosen": "2", "rejected": None}, "rejected"),
+    (PLAIN, {"prompt": "", "chosen": "2", "rejected": "3"}, "prompt"),
+    (CHAT, {**CHAT, "chosen": [{"role": "assistant", "content": None}]}, "chosen"),
+])
+def test_a_malformed_row_names_file_row_and_field(tmp_path, good, bad, field):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([good, bad]), path)
+    with pytest.raises(DataError, match=rf"{path} row 1: .*'{field}'"):
+        load_preference_files(str(path))
+
+
+def test_embedded_pairs_are_correct_sums_against_near_misses_and_held_out_prompts_are_disjoint():
+    config = stage1_config()
+    train, val = load_units(config.data, "train", 0), load_units(config.data, "val", 0)
+    for unit in train + val:
+        a, b = unit.prompt[0]["content"].rstrip("=").split("+")
+        assert all(chosen == str(int(a) + int(b)) != rejected for chosen, rejected in unit.pairs)
+    assert not {u.prompt[0]["content"] for u in train} & {u.prompt[0]["content"] for u in val}
+
+
+# ----------------------------------------------------------------------------- objective under DP
+def test_bradley_terry_per_unit_gradients_equal_each_unit_computed_alone(trainee):
+    """Units with 1, 2 and 3 pairs in one forward pass: each unit's pooled Opacus gradient is the
+    gradient of that unit's loss computed alone (no coupling between privacy units)."""
+    from flwr_verl.privacy import make_private, pool_rows
+
+    config, models = trainee
+    model, tokenizer = models.model, models.tokenizer
+    units = [PreferenceUnit("t", [{"role": "user", "content": "12+7="}], [("19", "18")]),
+             PreferenceUnit("t", [{"role": "user", "content": "3+40="}], [("43", "44"), ("43", "34")]),
+             PreferenceUnit("t", [{"role": "user", "content": "9+9="}], [("18", "17"), ("18", "19"), ("18", "81")])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = []
+    for unit in units:
+        batch = pair_batch([unit], tokenizer, models.device)
+        loss = bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, 1)
+        expected.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
+
+    model.train()
+    private = make_private(model, torch.optim.SGD(params, lr=0.0), 8, PrivacyConfig(), batch_size=4,
+                           num_mini_batches=1, rows_per_unit=1, noise_multiplier=1.0, seed=0)
+    try:
+        batch = pair_batch(units, tokenizer, models.device)
+        bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, batch.num_units).backward()
+        pool_rows(private.optimizer.params, batch.unit_of_row, batch.num_units)
+        for index, grads in enumerate(expected):
+            for param, grad in zip(params, grads):
+                torch.testing.assert_close(param.grad_sample[index], grad, atol=1e-6, rtol=1e-4)
+    finally:
+        private.optimizer.zero_grad()
+        private.close()
+        model.eval()
+
+
+def test_only_the_adapter_and_score_head_train_and_the_base_stays_bit_identical(trainee):
+    config, models = trainee
+    frozen = {name: p.detach().clone() for name, p in models.model.named_parameters() if not p.requires_grad}
+    trained = {name: p.detach().clone() for name, p in models.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name or "score.modules_to_save.default" in name for name in trained), trained
+    assert any("score" in name for name in trained)
+    trainer = LocalRewardModelTrainer(config, load_units(config.data, "train", 0), models=models)
+    result = trainer.fit(2, seed=1)
+    assert result.mechanism is not None  # under DP
+    after = dict(models.model.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in frozen.items())
+    changed = [name for name, value in trained.items() if not torch.equal(after[name], value)]
+    assert any("lora_" in name for name in changed) and any("score" in name for name in changed)
+    models.adapters.set_arrays([v.numpy() for v in trained.values()])  # leave the shared model as it was
