@@ -128,3 +128,43 @@ def test_only_the_adapter_and_score_head_train_and_the_base_stays_bit_identical(
     changed = [name for name, value in trained.items() if not torch.equal(after[name], value)]
     assert any("lora_" in name for name in changed) and any("score" in name for name in changed)
     models.adapters.set_arrays([v.numpy() for v in trained.values()])  # leave the shared model as it was
+
+
+# ----------------------------------------------------------------------------- outputs
+def test_the_round_adapter_and_the_merged_model_score_as_the_trained_model(tmp_path, trainee):
+    """Both stage-1 outputs load as ``reward_model.model.path`` and give the trained model's scores:
+    the per-round PEFT adapter (on the causal-LM base, the head from the adapter) and the merged
+    directory."""
+    from flwr_verl.preference import REWARD_MODEL_ROLE, export_merged
+    from flwr_verl.reward_model import conversation_text, load_reward_model
+
+    config, models = trainee
+    initial = models.adapters.get_arrays()
+    LocalRewardModelTrainer(config, load_units(config.data, "train", 0), models=models).fit(1, seed=3)
+    try:
+        models.adapters.save(tmp_path / "round-0001")  # as the run directory saves a round
+        merged = export_merged(tmp_path / "round-0001" / REWARD_MODEL_ROLE, tmp_path / "merged", config.model)
+        units = load_units(config.data, "val", 0)[:6]
+        with torch.no_grad():
+            expected, _ = pair_scores(models.model.eval(), pair_batch(units, models.tokenizer, models.device))
+        for directory in (tmp_path / "round-0001" / REWARD_MODEL_ROLE, merged):
+            reward_model = load_reward_model(str(directory), torch.device("cpu"))
+            texts = [conversation_text(u.prompt, chosen, reward_model.tokenizer) for u in units for chosen, _ in u.pairs]
+            torch.testing.assert_close(reward_model.score(texts, micro_batch_size=4), expected, atol=1e-5, rtol=1e-4)
+    finally:
+        models.adapters.set_arrays(initial)
+
+
+def test_an_adapter_that_does_not_save_the_score_head_is_refused(tmp_path, trainee):
+    import json
+
+    from flwr_verl.config import ConfigError
+    from flwr_verl.preference import REWARD_MODEL_ROLE
+    from flwr_verl.reward_model import load_reward_model
+
+    _, models = trainee
+    models.adapters.save(tmp_path)
+    config_file = tmp_path / REWARD_MODEL_ROLE / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "modules_to_save": None}))
+    with pytest.raises(ConfigError, match=r"does not save the 'score' head"):
+        load_reward_model(str(tmp_path / REWARD_MODEL_ROLE), torch.device("cpu"))
