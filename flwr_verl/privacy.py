@@ -157,6 +157,17 @@ class PrivacyAccount:
             raise PrivacyAccountError(f"malformed privacy account {text[:120]!r}: {error}") from error
 
 
+def compose(*accounts: PrivacyAccount) -> PrivacyAccount:
+    """One account for a data set that several runs used in turn (the RLHF pipeline's stages on
+    the same private prompts): their histories together, so epsilon is that of the sequential
+    composition. Accounts of disjoint data sets are not composed: each keeps its own epsilon."""
+    kinds = {account.accountant for account in accounts}
+    if len(kinds) > 1:
+        raise PrivacyAccountError(f"cannot compose accounts of different accountants: {sorted(kinds)}")
+    return PrivacyAccount(kinds.pop() if kinds else "rdp",
+                          [entry for account in accounts for entry in account.history])
+
+
 @functools.lru_cache(maxsize=256)
 def _rdp_of_one_step(q: float, sigma: float) -> np.ndarray:
     """RDP of one Sampled Gaussian step at Opacus's default orders. RDP composes by addition,

@@ -168,3 +168,15 @@ def test_an_adapter_that_does_not_save_the_score_head_is_refused(tmp_path, train
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "modules_to_save": None}))
     with pytest.raises(ConfigError, match=r"does not save the 'score' head"):
         load_reward_model(str(tmp_path / REWARD_MODEL_ROLE), torch.device("cpu"))
+
+
+def test_stages_on_the_same_prompts_compose_their_epsilon():
+    from flwr_verl.privacy import IterationMechanism, PrivacyAccount, compose
+
+    stage1, stage2 = PrivacyAccount(), PrivacyAccount()
+    stage1.record(IterationMechanism(1.0, 0.05), 40)
+    stage2.record(IterationMechanism(0.8, 0.02, ppo_epochs=2), 60)
+    both = compose(stage1, stage2)
+    assert both.steps == 100
+    assert both.epsilon(1e-5) > max(stage1.epsilon(1e-5), stage2.epsilon(1e-5))
+    assert both.epsilon(1e-5) < stage1.epsilon(1e-5) + stage2.epsilon(1e-5)  # RDP composes tighter than adding
