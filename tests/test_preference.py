@@ -180,3 +180,18 @@ def test_stages_on_the_same_prompts_compose_their_epsilon():
     assert both.steps == 100
     assert both.epsilon(1e-5) > max(stage1.epsilon(1e-5), stage2.epsilon(1e-5))
     assert both.epsilon(1e-5) < stage1.epsilon(1e-5) + stage2.epsilon(1e-5)  # RDP composes tighter than adding
+
+
+def test_a_short_stage_1_beats_chance_on_held_out_pairs():
+    """40 Bradley-Terry iterations of 64 prompts (no DP) against the same model untrained, on
+    the 256 pairs of 128 validation prompts that no training split holds. Chance is 0.5 (one
+    standard deviation over 128 prompts: 0.044); measured 0.64 after 40 iterations and 0.66
+    after 140, against 0.50 untrained: the margin 0.1 is over twice that deviation."""
+    config = stage1_config(**{"privacy.enabled": False, "data.train_size": 1024, "data.val_size": 128,
+                              "data.train_batch_size": 64, "actor.ppo_mini_batch_size": 64, "actor.lr": 3e-3})
+    trainer = LocalRewardModelTrainer(config, load_units(config.data, "train", 0))
+    held_out = load_units(config.data, "val", 0)
+    before = trainer.evaluate(held_out).accuracy
+    trainer.fit(40, seed=0)
+    after = trainer.evaluate(held_out).accuracy
+    assert after >= max(before, 0.5) + 0.1, (before, after)
