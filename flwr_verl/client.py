@@ -39,6 +39,9 @@ Node config keys read here: ``partition-id`` and ``num-partitions`` (which share
 this node trains on), ``epsilon-budget`` (above), ``privacy-ledger`` (the ledger file), and
 ``client-id``: the name this client gives itself in reports and error lines (default: the
 partition id); the server keys what it keeps per client by Flower's node id, never by it.
+``reward-model-path``: this node's own reward model, in place of the run config's
+``reward_model.model.path`` when ``reward_model.enable`` is on; it is loaded here and never
+leaves the node (``flwr_verl.reward_model``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from flwr.app import Context
 from flwr.client import NumPyClient
 
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
-from flwr_verl.data import Row, load_rows
+from flwr_verl.data import Row
 from flwr_verl.ledger import (
     IN_MEMORY,
     NODE_PRIVACY_LEDGER,
@@ -64,7 +67,7 @@ from flwr_verl.ledger import (
     default_path,
     fingerprint_rows,
 )
-from flwr_verl.models import Models, build_models, check_lengths
+from flwr_verl.models import Models, check_lengths
 from flwr_verl.privacy import (
     PRIVACY_UNIT,
     IterationMechanism,
@@ -81,16 +84,20 @@ from flwr_verl.protocol import (
     PrivacyReport,
     TrainingSummary,
 )
+from flwr_verl.reward_model import PATH_KEY, RewardModel, load_reward_model
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
+from flwr_verl.stages import build_stage_models, load_stage_rows, reward_model_trainer
 from flwr_verl.trainer import LocalPPOTrainer
 
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
 NODE_CLIENT_ID = "client-id"  # node-config key: the name this client gives itself in reports and error lines
+NODE_REWARD_MODEL_PATH = "reward-model-path"  # node-config key: this node's own reward model (never sent)
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
 _LEDGERS: dict[str, PrivacyLedger] = {}
+_REWARD_MODELS: dict[str, RewardModel] = {}
 
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
@@ -106,16 +113,24 @@ class PrivacyBudgetExhausted(FlwrVerlError, RuntimeError):
 
 def cached_models(config: EngineConfig) -> Models:
     """One set of models per process and model config (Flower re-creates clients per message)."""
-    key = repr((config.model, config.needs_critic, config.trainer.seed))
+    key = repr((config.stage, config.model, config.needs_critic, config.trainer.seed))
     if key not in _MODELS:
-        _MODELS[key] = build_models(config.model, config.needs_critic, seed=config.trainer.seed)
+        _MODELS[key] = build_stage_models(config)
     return _MODELS[key]
 
 
+def cached_reward_model(path: str, key: str, device) -> RewardModel:
+    """One reward model per process, path and device (read-only, so clients can share it)."""
+    cache_key = repr((path, str(device)))
+    if cache_key not in _REWARD_MODELS:
+        _REWARD_MODELS[cache_key] = load_reward_model(path, device, key=key)
+    return _REWARD_MODELS[cache_key]
+
+
 def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
-    key = repr((config.data, split, partition_id, num_partitions, config.trainer.seed))
+    key = repr((config.stage, config.data, split, partition_id, num_partitions, config.trainer.seed))
     if key not in _ROWS:
-        _ROWS[key] = load_rows(config.data, split, config.trainer.seed, partition_id, num_partitions)
+        _ROWS[key] = load_stage_rows(config, split, config.trainer.seed, partition_id, num_partitions)
     return _ROWS[key]
 
 
@@ -172,7 +187,8 @@ class VerlClient(NumPyClient):
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
-                 client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local") -> None:
+                 client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local",
+                 reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY) -> None:
         self.config = config
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
@@ -182,12 +198,21 @@ class VerlClient(NumPyClient):
             raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
                               f"it must be below 1/N = {1 / len(train_rows):.3g} (at delta >= 1/N a mechanism may "
                               "publish one prompt outright and still meet the guarantee)")
+        if config.stage == "reward_model":  # the local objective is Bradley-Terry on preference pairs
+            self.trainer = reward_model_trainer(config, train_rows, val_rows, models or cached_models(config))
+            self.adapters = self.trainer.models.adapters
+            return
         compute_score = checked(compute_score or resolve_compute_score(config.custom_reward_function, config.data),
                                 config.custom_reward_function.clip)
         preflight_reward(compute_score, train_rows or val_rows)
         models = models or cached_models(config)
         check_lengths(config, models, train_rows + val_rows)
-        self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score)
+        if config.reward_model.enable and reward_model is None:
+            reward_model = cached_reward_model(config.reward_model.model.path, reward_model_key, models.device)
+        if reward_model is not None:
+            reward_model.check_fits(train_rows + val_rows, config.rollout.response_length)
+        self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score,
+                                       reward_model=reward_model)
         self.adapters = self.trainer.models.adapters
         # Without a ledger (in-process experiments) spends last as long as this client object.
         self.ledger = ledger or PrivacyLedger(IN_MEMORY)
@@ -310,12 +335,14 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
+    config, reward_model_key = with_node_reward_model(config, context.node_config.get(NODE_REWARD_MODEL_PATH))
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
         ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
+        reward_model_key=reward_model_key,
     )
 
 
@@ -334,6 +361,19 @@ def describe_source(config: EngineConfig) -> str:
     """Where the training prompts come from, for ``flwr-verl ledger show``."""
     data = config.data
     return f"files {data.train_files}" if data.train_files else f"task {data.task!r} seed {config.trainer.seed}"
+
+
+def with_node_reward_model(config: EngineConfig, path: Any) -> tuple[EngineConfig, str]:
+    """``config`` with the node's own ``reward-model-path`` in place of ``reward_model.model.path``,
+    and the key that errors about the path should name. The node's model is used only when the
+    run enables a reward model (``reward_model.enable``): the objective is the federation's choice."""
+    if path is None or not config.reward_model.enable:
+        return config, PATH_KEY
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"node config {NODE_REWARD_MODEL_PATH}={path!r} is invalid: must be a directory path")
+    reward_model = dataclasses.replace(config.reward_model,
+                                       model=dataclasses.replace(config.reward_model.model, path=path))
+    return dataclasses.replace(config, reward_model=reward_model), f"node config {NODE_REWARD_MODEL_PATH}"
 
 
 def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:

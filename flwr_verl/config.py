@@ -122,6 +122,39 @@ class RewardConfig:
                 "must be a finite number >= 0 (0 = off)")
 
 
+REWARD_COMBINE = ("replace", "add")
+
+
+@dataclass
+class RewardModelPathConfig:
+    """verl's ``reward_model.model``: where the reward model lies on this node."""
+
+    path: str = ""  # a local AutoModelForSequenceClassification directory (1 label), or a PEFT adapter on one
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: a learned reward model, local to each client.
+
+    ``combine``: ``replace`` scores with the model alone; ``add`` adds the model's score to
+    ``rule_weight`` times the rule reward (``custom_reward_function``). The path may be empty
+    here when every node names its own model in its node config (``reward-model-path``); it is
+    checked on the node that loads it, since the model never leaves its node.
+    """
+
+    enable: bool = False
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    micro_batch_size: int = 32  # sequences per reward-model forward pass
+    combine: str = "replace"
+    rule_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.micro_batch_size > 0, "reward_model.micro_batch_size", self.micro_batch_size, "must be > 0")
+        require(self.combine in REWARD_COMBINE, "reward_model.combine", self.combine,
+                f"allowed: {', '.join(REWARD_COMBINE)}")
+        require(math.isfinite(self.rule_weight), "reward_model.rule_weight", self.rule_weight, "must be finite")
+
+
 @dataclass
 class RolloutConfig:
     n: int = 4
@@ -275,21 +308,34 @@ class TrainerConfig:
         require(self.num_threads >= 1, "trainer.num_threads", self.num_threads, "must be >= 1")
 
 
+# The stages of the RLHF pipeline, each a local objective on LoRA adapters (``flwr_verl.stages``):
+# policy: verl's PPO family against the rule reward or a learned reward model (reward_model.*);
+# reward_model: a reward model learned from preference pairs (Bradley-Terry, ``flwr_verl.preference``).
+STAGES = ("policy", "reward_model")
+
+
 @dataclass
 class EngineConfig:
-    """Everything one client's local RL engine needs."""
+    """Everything one client's local RL engine needs. ``stage`` picks the local objective; under
+    ``reward_model`` the data files are preference pairs and ``actor``'s optimizer keys (lr,
+    weight_decay, grad_clip, ppo_epochs, ppo_mini_batch_size) configure the reward model's update."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     custom_reward_function: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    stage: str = "policy"
 
     def __post_init__(self) -> None:
+        require(self.stage in STAGES, "stage", self.stage, f"allowed: {', '.join(STAGES)}")
+        require(not (self.stage == "reward_model" and self.reward_model.enable), "reward_model.enable",
+                self.reward_model.enable, "must be false under stage='reward_model' (that stage trains one)")
         batch, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         require(batch % mini == 0, "actor.ppo_mini_batch_size", mini,
                 f"must divide data.train_batch_size={batch}")
@@ -314,7 +360,7 @@ class EngineConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return self.stage == "policy" and self.algorithm.adv_estimator == "gae"
 
 
 # ----------------------------------------------------------------------------- federation

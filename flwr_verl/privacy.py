@@ -150,6 +150,17 @@ class PrivacyAccount:
             raise PrivacyAccountError(f"malformed privacy account {text[:120]!r}: {error}") from error
 
 
+def compose(*accounts: PrivacyAccount) -> PrivacyAccount:
+    """One account for a data set that several runs used in turn (the RLHF pipeline's stages on
+    the same private prompts): their histories together, so epsilon is that of the sequential
+    composition. Accounts of disjoint data sets are not composed: each keeps its own epsilon."""
+    kinds = {account.accountant for account in accounts}
+    if len(kinds) > 1:
+        raise PrivacyAccountError(f"cannot compose accounts of different accountants: {sorted(kinds)}")
+    return PrivacyAccount(kinds.pop() if kinds else "rdp",
+                          [entry for account in accounts for entry in account.history])
+
+
 @functools.lru_cache(maxsize=256)
 def _rdp_of_one_step(q: float, sigma: float) -> np.ndarray:
     """RDP of one Sampled Gaussian step at Opacus's default orders. RDP composes by addition,
@@ -191,6 +202,22 @@ def pool_units(params: list[torch.nn.Parameter], rows_per_unit: int) -> None:
         param.grad_sample = sample.view(-1, rows_per_unit, *sample.shape[1:]).mean(dim=1)
 
 
+def pool_rows(params: list[torch.nn.Parameter], unit_of_row: torch.Tensor, num_units: int) -> None:
+    """``pool_units`` for units with different numbers of rows (a prompt with any number of
+    preference pairs): row r belongs to unit ``unit_of_row[r]``.
+
+    The loss is the mean over units of each unit's own loss. Opacus's ``loss_reduction="mean"``
+    scales each of the R rows' gradient samples by R, so unit u's gradient is
+    (num_units / R) * the sum of its rows' samples; with n rows in every unit that is
+    ``pool_units``' mean.
+    """
+    for param in params:
+        sample = param.grad_sample
+        pooled = torch.zeros((num_units, *sample.shape[1:]), dtype=sample.dtype, device=sample.device)
+        pooled.index_add_(0, unit_of_row.to(sample.device), sample)
+        param.grad_sample = pooled * (num_units / sample.shape[0])
+
+
 @dataclass
 class PrivateUpdate:
     """The DP-SGD update of one fit: what ``make_private`` returns.
@@ -215,9 +242,14 @@ class PrivateUpdate:
         assignment = self.rng.integers(self.num_mini_batches, size=unit_count)
         return [np.flatnonzero(assignment == batch) for batch in range(self.num_mini_batches)]
 
-    def step(self) -> dict[str, float]:
-        """After ``loss.backward()`` on one mini-batch: one DP-SGD step."""
-        pool_units(self.optimizer.params, self.rows_per_unit)
+    def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
+        """After ``loss.backward()`` on one mini-batch: one DP-SGD step. Rows are pooled into
+        units by ``unit_of_row`` (ids 0..U-1) when given, else ``rows_per_unit`` adjacent rows
+        at a time."""
+        if unit_of_row is not None:
+            pool_rows(self.optimizer.params, unit_of_row, int(unit_of_row.max()) + 1)
+        else:
+            pool_units(self.optimizer.params, self.rows_per_unit)
         self._noisy_step()
         return {}
 

@@ -9,7 +9,8 @@ layer that produces the same batch layout verl's trainers consume::
     attention_mask (B*n, P+R)  1 on real prompt tokens and on response tokens up to EOS
     position_ids   (B*n, P+R)
     response_mask  (B*n, R)    1 up to and including the first EOS
-    non-tensor: data_source, reward_model, extra_info, uid (one uid per prompt: the group)
+    non-tensor: data_source, reward_model, extra_info, uid (one uid per prompt: the group),
+                raw_prompt (the prompt's messages, as verl's ``return_raw_chat``)
 
 Rows are repeated with ``interleave=True``: the n responses of one prompt are adjacent.
 """
@@ -77,6 +78,14 @@ def generate(
         "extra_info": np.array([{**row.get("extra_info", {}), PROMPT_KEY: text}
                                 for row, text in zip(repeated, [t for t in texts for _ in range(n)])], dtype=object),
         "uid": np.repeat(np.arange(uid_offset, uid_offset + len(rows)), n).astype(object),
+        "raw_prompt": _object_array([row["prompt"] for row in repeated]),  # messages, for a reward model
     })
     batch.batch["response_mask"] = compute_response_mask(batch)
     return batch
+
+
+def _object_array(items: list) -> np.ndarray:
+    """A 1-D object array of ``items`` (``np.array`` would turn lists of messages into a 2-D array)."""
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array

@@ -33,11 +33,11 @@ from flwr.common import log
 from flwr.server import Grid, LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow
 
-from flwr_verl.config import parse_run_config
-from flwr_verl.models import build_models
+from flwr_verl.config import ModelConfig, parse_run_config
 from flwr_verl.protocol import SecAggBounds
 from flwr_verl.rundir import RunDirectory, fingerprint
 from flwr_verl.secagg import derive_parameters
+from flwr_verl.stages import build_stage_models
 from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation
 from flwr_verl.workflow import CheckedSecAggPlusWorkflow, RoundLoop
 
@@ -52,7 +52,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     federation, engine = config.federation, config.engine
     secagg = (derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
               if federation.secagg.enabled else None)
-    adapters = build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters
+    adapters = build_stage_models(engine).adapters
     run = RunDirectory.create(federation.output_dir, adapters, config)
     strategy = FedProxAdapters(
         federation, adapters.get_arrays(), local_iterations=engine.trainer.local_iterations,
@@ -84,8 +84,18 @@ def run_server(grid: Grid, context: Context) -> Path:
                  f"({kept[-1]}); resume=true continues from it" if kept else "no round was completed")
         log(WARNING, "flwr-verl: the global adapter was not changed by the failed round; %s", where)
         raise
+    if engine.stage == "reward_model":  # stage 1's product: what a policy stage's reward_model.model.path takes
+        merged = export_reward_model(run.path, engine.model)
+        log(INFO, "flwr-verl: merged reward model in %s (use it as reward_model.model.path)", merged)
     log(INFO, "flwr-verl: finished; %s; outputs in %s", summary(run.records()), run.path)
     return run.path
+
+
+def export_reward_model(run_path: Path, model: ModelConfig) -> Path:
+    """``<run>/reward_model/``: the final reward-model adapter merged into its base."""
+    from flwr_verl.preference import REWARD_MODEL_ROLE, export_merged
+
+    return export_merged(run_path / "adapters" / "final" / REWARD_MODEL_ROLE, run_path / "reward_model", model)
 
 
 def summary(records: list[dict]) -> str:

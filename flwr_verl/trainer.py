@@ -4,7 +4,8 @@ One iteration, top to bottom (B prompts, n responses each, R = response length):
 
 1. sample B prompt rows (Poisson under DP)
 2. rollout: B*n responses                                   -> DataProto (B*n, P+R)
-3. reward: verl's NaiveRewardManager                        -> token_level_scores (B*n, R)
+3. reward: verl's NaiveRewardManager (rule), or a learned
+   reward model (``reward_model.LearnedReward``)            -> token_level_scores (B*n, R)
 4. log-probs under the rollout policy and the reference     -> old_log_probs, ref_log_prob (B*n, R)
    (the reference is the same model with the adapter disabled); values for gae (B*n, R)
 5. KL in the reward (verl's apply_kl_penalty), advantages (verl's compute_advantage)
@@ -42,6 +43,7 @@ from flwr_verl.models import Models, build_models
 from flwr_verl.privacy import IterationMechanism, PrivateUpdate, make_private, sample_rate
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.proximal import Proximal
+from flwr_verl.reward_model import LearnedReward, RewardModel
 from flwr_verl.rewards import make_reward_manager, resolve_compute_score
 from flwr_verl.rollout import generate
 
@@ -63,7 +65,8 @@ class PlainUpdate:
         """A random split of the units into equal mini-batches."""
         return np.array_split(self.rng.permutation(unit_count), self.num_mini_batches)
 
-    def step(self) -> dict[str, float]:
+    def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
+        """One step on the mini-batch gradient (``unit_of_row`` matters only under DP)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.proximal.add_gradient(self.params)
         self.optimizer.step()
@@ -75,6 +78,39 @@ class PlainUpdate:
 
     def close(self) -> None:
         """Nothing is attached to the model."""
+
+
+def start_update(model: torch.nn.Module, params: list[torch.nn.Parameter], num_units: int, cfg: EngineConfig, *,
+                 rows_per_unit: int, anchor: Sequence[np.ndarray | torch.Tensor] | None, proximal_mu: float,
+                 noise_multiplier: float | None, seed: int) -> tuple[PlainUpdate | PrivateUpdate, Iterator[list[int]]]:
+    """The update of one fit of ``params`` (trainable weights of ``model``) over ``num_units``
+    privacy units, and the endless stream of unit batches it draws from (Poisson under DP): a
+    fresh AdamW at ``actor.lr``, FedProx's term anchored at ``anchor`` (default: the current
+    weights), DP-SGD when ``privacy.enabled`` (``noise_multiplier`` overrides the config's). The
+    caller closes the update. Shared by every local objective (PPO, Bradley-Terry)."""
+    sample_rate(cfg.data.train_batch_size, num_units)  # batch must fit the units
+    num_mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    proximal = Proximal.at(params, params if anchor is None else anchor, proximal_mu)
+    optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+    update: PlainUpdate | PrivateUpdate
+    if cfg.privacy.enabled:
+        model.train()  # Opacus validates the module in training mode
+        update = make_private(
+            model, optimizer, num_units, cfg.privacy,
+            batch_size=cfg.data.train_batch_size, num_mini_batches=num_mini_batches,
+            rows_per_unit=rows_per_unit, ppo_epochs=cfg.actor.ppo_epochs,
+            noise_multiplier=cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier,
+            proximal=proximal, seed=seed if cfg.privacy.deterministic else None,
+        )
+        batches = _forever(update.sampler)
+    else:
+        update = PlainUpdate(optimizer, params, proximal, cfg.actor.grad_clip, num_mini_batches,
+                             np.random.default_rng(seed))
+        batches = _forever(torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.arange(num_units, device="cpu")),
+            batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
+            generator=torch.Generator().manual_seed(seed)))
+    return update, (batch[0].tolist() for batch in batches)
 
 
 @dataclass
@@ -109,7 +145,7 @@ class LocalPPOTrainer:
     """Runs verl's PPO family on one client's prompts, updating only LoRA adapter weights."""
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], *, models: Models | None = None,
-                 compute_score=None) -> None:
+                 compute_score=None, reward_model: RewardModel | None = None) -> None:
         torch.set_num_threads(config.trainer.num_threads)
         self.config = config
         self.train_rows = train_rows
@@ -118,6 +154,10 @@ class LocalPPOTrainer:
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]  # the LoRA weights
         score = compute_score or resolve_compute_score(config.custom_reward_function, config.data)
         self.reward_fn = make_reward_manager(self.tokenizer, score, config.custom_reward_function.clip)
+        # What training optimises: the rule reward, or a learned reward model (reward_model.enable).
+        # Evaluation always scores with the rule: the true objective the learned one stands in for.
+        self.train_reward = (self.reward_fn if reward_model is None else
+                             LearnedReward(reward_model, self.tokenizer, config.reward_model, rule=self.reward_fn))
         actor, algorithm = config.actor, config.algorithm
         self.actor_config = VerlActorConfig(
             strategy="fsdp", rollout_n=config.rollout.n, ppo_mini_batch_size=actor.ppo_mini_batch_size,
@@ -155,37 +195,16 @@ class LocalPPOTrainer:
         update. Under privacy ``noise_multiplier`` overrides ``privacy.noise_multiplier``.
         Opacus is detached from the model when the block ends."""
         cfg = self.config
-        sample_rate(cfg.data.train_batch_size, len(self.train_rows))  # batch must fit the prompts
         torch.manual_seed(seed)  # rollout sampling
-        params = self.policy_params
-        proximal = Proximal.at(params, params if anchor is None else anchor, proximal_mu)
-        optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        update: PlainUpdate | PrivateUpdate
-        if cfg.privacy.enabled:
-            self.policy.train()  # Opacus validates the module in training mode
-            update = make_private(
-                self.policy, optimizer, len(self.train_rows), cfg.privacy,
-                batch_size=cfg.data.train_batch_size, num_mini_batches=self.num_mini_batches,
-                rows_per_unit=cfg.rollout.n, ppo_epochs=cfg.actor.ppo_epochs,
-                noise_multiplier=cfg.privacy.noise_multiplier if noise_multiplier is None else noise_multiplier,
-                proximal=proximal, seed=seed if cfg.privacy.deterministic else None,
-            )
-            batches = _forever(update.sampler)
-        else:
-            update = PlainUpdate(optimizer, params, proximal, cfg.actor.grad_clip, self.num_mini_batches,
-                                 np.random.default_rng(seed))
-            loader = torch.utils.data.DataLoader(
-                torch.utils.data.TensorDataset(torch.arange(len(self.train_rows), device="cpu")),
-                batch_size=cfg.data.train_batch_size, shuffle=True, drop_last=True,
-                generator=torch.Generator().manual_seed(seed))
-            batches = _forever(loader)
+        update, batches = start_update(self.policy, self.policy_params, len(self.train_rows), cfg,
+                                       rows_per_unit=cfg.rollout.n, anchor=anchor, proximal_mu=proximal_mu,
+                                       noise_multiplier=noise_multiplier, seed=seed)
         critic_optimizer = (
             torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic.lr)
             if self.critic is not None else None
         )
         try:
-            yield LocalFit(update=update, batches=(batch[0].tolist() for batch in batches),
-                           critic_optimizer=critic_optimizer)
+            yield LocalFit(update=update, batches=batches, critic_optimizer=critic_optimizer)
         finally:
             update.close()
 
@@ -213,11 +232,11 @@ class LocalPPOTrainer:
         with _timed(timings, "rollout"):
             batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length)
         with _timed(timings, "reward"):
-            batch.batch["token_level_scores"] = self.reward_fn(batch)
+            batch.batch["token_level_scores"] = self.train_reward(batch)
             if cfg.algorithm.adv_estimator == "remax":  # baseline: reward of the greedy response
                 greedy = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
                                   n=1, greedy=True)
-                baseline = self.reward_fn(greedy).sum(-1)
+                baseline = self.train_reward(greedy).sum(-1)
                 batch.batch["reward_baselines"] = baseline.repeat_interleave(cfg.rollout.n)
         with _timed(timings, "log_prob"):
             batch.batch["old_log_probs"] = self._log_probs(batch)

@@ -44,3 +44,17 @@ def node_state_outside_home(tmp_path_factory, monkeypatch):
     """Flower's state directory (where a node's default privacy ledger lives) is a fresh folder per
     test, never the user's ~/.flwr: a ledger left by one test would spend another's budget."""
     monkeypatch.setenv("FLWR_HOME", str(tmp_path_factory.mktemp("flwr_home")))
+
+
+@pytest.fixture(scope="session")
+def reward_model_dirs(tmp_path_factory):
+    """Tiny reward models: ``same`` shares the embedded policy's tokenizer (Llama), ``other`` has
+    its own tokenizer with a chat template (GPT-2)."""
+    from flwr_verl.embedded import build_tokenizer
+    from tests.reward_models import other_tokenizer, save_classifier
+
+    root = tmp_path_factory.mktemp("reward_models")
+    return {
+        "same": save_classifier(root / "same", build_tokenizer(), arch="llama"),
+        "other": save_classifier(root / "other", other_tokenizer(), arch="gpt2", seed=1),
+    }

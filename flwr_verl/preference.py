@@ -1,0 +1,367 @@
+"""Stage ``reward_model``: a reward model learned from preference pairs, one client's part.
+
+**Data.** TRL's preference format: parquet rows with ``prompt``, ``chosen`` and ``rejected``,
+either plain text (three strings) or conversational (``prompt`` a list of messages, ``chosen``
+and ``rejected`` lists of assistant messages). A malformed row fails when loaded, with the file,
+the row and the field. Pairs that share a prompt form one **privacy unit**: the prompt with all
+its pairs (``PreferenceUnit``). With the embedded task (no files) the pairs are the arithmetic
+problems of the split: chosen is the correct sum, rejected a near miss; the model never sees
+the rule.
+
+**Model.** The base model (``model.path``, or the embedded one) as an
+``AutoModelForSequenceClassification`` with one label, LoRA-adapted with PEFT
+``task_type="SEQ_CLS"`` and ``modules_to_save=["score"]``: the adapter and the score head
+train, the base stays frozen. A response is read as the stage-2 scorer reads it
+(``reward_model.conversation_text``, the score at the last attended token), so the model is
+trained on exactly what it later scores.
+
+**Objective.** Bradley-Terry, -log sigmoid(r(chosen) - r(rejected)) (``bradley_terry_loss``):
+each unit's loss is the mean over its pairs, the mini-batch loss the mean over units. One
+forward pass holds every chosen and rejected sequence of the mini-batch, so Opacus's per-row
+gradients are exact; they are pooled per unit (``privacy.pool_rows``) before clipping. One
+local iteration is the policy's: Poisson-sample units at q = ``data.train_batch_size`` / N,
+``actor.ppo_epochs`` passes over ``train_batch_size / ppo_mini_batch_size`` mini-batches, so
+the accounting (``privacy.IterationMechanism``), FedProx, SecAgg+ and the run directory are
+the same as for the policy.
+
+**Evaluation.** Pairwise accuracy on held-out pairs (their prompts are in no training split):
+the share of pairs with r(chosen) > r(rejected); ``reward`` is the mean of
+sigmoid(r(chosen) - r(rejected)). In the training summary, ``reward_*`` is the training
+pairs' accuracy and ``pg_loss`` the Bradley-Terry loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flwr_verl import embedded
+from flwr_verl.config import ConfigError, DataConfig, EngineConfig, ModelConfig
+from flwr_verl.data import DataError, partition_rows
+from flwr_verl.models import AdapterSet, ModelLoadError, _adapted, _dtype, _lora_config, resolve_model_path, select_device
+from flwr_verl.protocol import EvaluateReport
+from flwr_verl.reward_model import SCORE_HEAD, conversation_text, sequence_scores
+
+REWARD_MODEL_ROLE = "reward_model"  # the adapter's name in the run directory and the AdapterSet
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class PreferenceUnit:
+    """One privacy unit: a prompt and all its (chosen, rejected) responses."""
+
+    data_source: str
+    prompt: list[dict]  # messages
+    pairs: list[tuple[str, str]]
+
+
+def _response(value, where: str, field: str) -> str:
+    """A response as text: a string, or a list of messages whose contents are joined."""
+    if isinstance(value, str):
+        return value
+    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise DataError(f"{where}: field {field!r} must be a string or a non-empty list of "
+                        "{'role', 'content'} messages")
+    return "".join(m["content"] for m in messages)
+
+
+def _prompt(value, where: str) -> list[dict]:
+    if isinstance(value, str) and value:
+        return [{"role": "user", "content": value}]
+    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                               for m in messages):
+        raise DataError(f"{where}: field 'prompt' must be a non-empty string or a non-empty list of "
+                        "{'role', 'content'} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def preference_units(records: list[dict], source: str) -> list[PreferenceUnit]:
+    """TRL-format preference rows grouped into units by prompt (first appearance order)."""
+    units: dict[str, PreferenceUnit] = {}
+    for index, record in enumerate(records):
+        where = f"{source} row {index}"
+        for field in ("prompt", "chosen", "rejected"):
+            if record.get(field) is None:
+                raise DataError(f"{where}: missing field {field!r} (TRL's preference format: prompt, chosen, "
+                                "rejected)")
+        prompt = _prompt(record["prompt"], where)
+        pair = (_response(record["chosen"], where, "chosen"), _response(record["rejected"], where, "rejected"))
+        key = json.dumps(prompt, sort_keys=True)
+        data_source = record.get("data_source") if isinstance(record.get("data_source"), str) else "preference"
+        units.setdefault(key, PreferenceUnit(data_source, prompt, [])).pairs.append(pair)
+    return list(units.values())
+
+
+def load_preference_files(files: str) -> list[PreferenceUnit]:
+    import pyarrow.parquet as pq
+
+    units: list[PreferenceUnit] = []
+    for name in [f.strip() for f in files.split(",") if f.strip()]:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{path}: dataset file not found")
+        try:
+            records = pq.read_table(path).to_pylist()
+        except Exception as error:  # pyarrow raises several types for a corrupt file
+            raise DataError(f"{path}: not a readable parquet file: {error}") from error
+        units.extend(preference_units(records, str(path)))
+    if not units:
+        raise DataError(f"{files}: no rows")
+    return units
+
+
+def near_misses(answer: int, count: int, rng: random.Random) -> list[int]:
+    """``count`` distinct wrong answers close to ``answer``: off by one or ten, or digits swapped."""
+    candidates = {answer + 1, answer - 1, answer + 10, answer - 10, int(str(answer)[::-1])} - {answer}
+    candidates = sorted(c for c in candidates if c >= 0)
+    return rng.sample(candidates, min(count, len(candidates)))
+
+
+PAIRS_PER_PROMPT = 2  # embedded demo: near misses per problem
+
+
+def arithmetic_units(num_prompts: int, seed: int, split: str) -> list[PreferenceUnit]:
+    """The embedded demo's pairs: ``num_prompts`` problems of ``split``, chosen the correct sum,
+    rejected near misses."""
+    rng = random.Random(f"{seed}-{split}-pairs")
+    problems = embedded.sample_problems(split, num_prompts, rng)
+    return [PreferenceUnit(embedded.DATA_SOURCE, [{"role": "user", "content": prompt}],
+                           [(answer, str(wrong)) for wrong in near_misses(int(answer), PAIRS_PER_PROMPT, rng)])
+            for prompt, answer in problems]
+
+
+def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
+               num_partitions: int = 1) -> list[PreferenceUnit]:
+    """One client's preference units for ``split``, partitioned as prompts are (``data.load_rows``)."""
+    embedded.check_split(split)
+    if config.train_files:
+        source = {"train": config.train_files, "val": config.val_files}.get(split, "")
+        if not source:
+            return []
+        units = load_preference_files(source)
+    else:
+        if config.task != "arithmetic":
+            raise ConfigError(f"data.task={config.task!r} has no preference pairs under stage='reward_model'; "
+                              "allowed: arithmetic, or set data.train_files to TRL-format preference parquet")
+        size = config.train_size if split == "train" else config.val_size
+        if size == 0:
+            return []
+        source = f"data.task={config.task!r}"
+        units = arithmetic_units(size * num_partitions, seed, split)
+    rows = [{"data_source": unit.data_source, "unit": unit} for unit in units]
+    return [row["unit"] for row in partition_rows(rows, partition_id, num_partitions, config, seed, source=source)]
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class RewardModelTrainee:
+    """The reward model being trained: LoRA + score head on a frozen sequence classifier."""
+
+    tokenizer: object
+    model: torch.nn.Module
+    device: torch.device
+
+    @property
+    def adapters(self) -> AdapterSet:
+        return AdapterSet({REWARD_MODEL_ROLE: self.model})
+
+
+def build_reward_model_trainee(config: ModelConfig, seed: int = 0) -> RewardModelTrainee:
+    """``model.path`` as a one-label sequence classifier with fresh LoRA adapters and a trainable
+    score head (seeded: every process builds the same initial adapter)."""
+    from peft import TaskType
+    from transformers import AutoModelForSequenceClassification
+
+    from flwr_verl.models import load_tokenizer
+
+    torch.manual_seed(seed)
+    device = select_device(config.device)
+    path = resolve_model_path(config)
+    tokenizer = load_tokenizer(path)
+    tokenizer.padding_side = "right"  # scores are read at the last attended token
+    try:
+        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=_dtype(config),
+                                                                  local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"model.path={str(path)!r} has no sequence-classification variant for a reward "
+                             f"model (stage='reward_model'): {error}") from error
+    if not isinstance(getattr(base, SCORE_HEAD, None), torch.nn.Module):
+        raise ModelLoadError(f"model.path={str(path)!r}: {type(base).__name__} has no '{SCORE_HEAD}' head")
+    base.config.pad_token_id = tokenizer.pad_token_id
+    model = _adapted(base, config, _lora_config(config, TaskType.SEQ_CLS, modules_to_save=[SCORE_HEAD]))
+    return RewardModelTrainee(tokenizer=tokenizer, model=model.to(device), device=device)
+
+
+def check_unit_lengths(trainee: RewardModelTrainee, units: list[PreferenceUnit]) -> None:
+    """Every prompt plus response must fit the model's positions: an error names the longest."""
+    config = trainee.model.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is None or not units:
+        return
+    texts = [conversation_text(unit.prompt, response, trainee.tokenizer)
+             for unit in units for pair in unit.pairs for response in pair]
+    lengths = [len(ids) for ids in trainee.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if max(lengths) > limit:
+        raise ConfigError(f"model.path: a preference prompt plus response takes {max(lengths)} tokens, more than the "
+                          f"model's {limit} positions ({texts[int(np.argmax(lengths))][:80]!r}...); shorten the data")
+
+
+# ----------------------------------------------------------------------------- objective
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, unit_of_pair: torch.Tensor,
+                       num_units: int) -> torch.Tensor:
+    """Mean over units of each unit's mean -log sigmoid(r_chosen - r_rejected) over its pairs.
+
+    Args: ``chosen``, ``rejected`` (P,) scores of the P pairs; ``unit_of_pair`` (P,) ids in
+    [0, num_units). Safe under DP: a unit's term depends on its own pairs alone."""
+    per_pair = -torch.nn.functional.logsigmoid(chosen - rejected)
+    pairs_per_unit = torch.bincount(unit_of_pair, minlength=num_units).to(per_pair)
+    per_unit = torch.zeros(num_units, dtype=per_pair.dtype, device=per_pair.device).index_add(
+        0, unit_of_pair, per_pair) / pairs_per_unit
+    return per_unit.mean()
+
+
+@dataclass
+class PairBatch:
+    """The sequences of some units' pairs, for one forward pass: rows 0..P-1 chosen, P..2P-1
+    rejected; ``unit_of_pair`` maps each pair to its unit (0..U-1 in the order given)."""
+
+    input_ids: torch.Tensor  # (2P, T) right-padded
+    attention_mask: torch.Tensor
+    unit_of_pair: torch.Tensor  # (P,)
+    num_units: int
+
+    @property
+    def unit_of_row(self) -> torch.Tensor:
+        return torch.cat([self.unit_of_pair, self.unit_of_pair])
+
+
+def pair_batch(units: Sequence[PreferenceUnit], tokenizer, device: torch.device) -> PairBatch:
+    chosen = [conversation_text(u.prompt, c, tokenizer) for u in units for c, _ in u.pairs]
+    rejected = [conversation_text(u.prompt, r, tokenizer) for u in units for _, r in u.pairs]
+    encoded = tokenizer(chosen + rejected, add_special_tokens=False, padding=True, return_tensors="pt")
+    unit_of_pair = torch.tensor([i for i, u in enumerate(units) for _ in u.pairs], device=device)
+    return PairBatch(encoded["input_ids"].to(device), encoded["attention_mask"].to(device), unit_of_pair, len(units))
+
+
+def pair_scores(model: torch.nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores, (P,) each, from one forward pass."""
+    scores = sequence_scores(model, batch.input_ids, batch.attention_mask)
+    return scores[: len(batch.unit_of_pair)], scores[len(batch.unit_of_pair):]
+
+
+# ----------------------------------------------------------------------------- the local trainer
+@dataclass
+class PreferenceFit:
+    """One fit: its update (private or plain) and the stream of unit batches."""
+
+    update: object
+    batches: Iterator[list[int]]
+
+    @property
+    def mechanism(self):
+        return self.update.mechanism
+
+
+class LocalRewardModelTrainer:
+    """Bradley-Terry on one client's preference units, updating only the LoRA adapter and the
+    score head. The same interface as ``trainer.LocalPPOTrainer`` (``fit``, ``evaluate``,
+    ``models.adapters``, ``policy_params``: the trained weights), so ``VerlClient`` runs either."""
+
+    def __init__(self, config: EngineConfig, train_units: list[PreferenceUnit], *,
+                 models: RewardModelTrainee | None = None) -> None:
+        torch.set_num_threads(config.trainer.num_threads)
+        self.config = config
+        self.train_units = train_units
+        self.models = models or build_reward_model_trainee(config.model, seed=config.trainer.seed)
+        self.model, self.tokenizer = self.models.model, self.models.tokenizer
+        self.policy_params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
+            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0):
+        from flwr_verl.trainer import FitResult
+
+        with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
+                            seed=seed) as fit:
+            metrics = [self.iteration(fit) for _ in range(iterations)]
+        return FitResult(metrics=metrics, mechanism=fit.mechanism)
+
+    @contextmanager
+    def start_fit(self, *, anchor=None, proximal_mu: float = 0.0, noise_multiplier: float | None = None,
+                  seed: int = 0) -> Iterator[PreferenceFit]:
+        from flwr_verl.trainer import start_update
+
+        update, batches = start_update(self.model, self.policy_params, len(self.train_units), self.config,
+                                       rows_per_unit=1, anchor=anchor, proximal_mu=proximal_mu,
+                                       noise_multiplier=noise_multiplier, seed=seed)
+        try:
+            yield PreferenceFit(update, batches)
+        finally:
+            update.close()
+
+    def iteration(self, fit: PreferenceFit) -> dict[str, float]:
+        """Draw units, then ``actor.ppo_epochs`` passes of Bradley-Terry steps over mini-batches."""
+        start = time.perf_counter()
+        units = [self.train_units[i] for i in next(fit.batches)]
+        num_mini_batches = self.config.data.train_batch_size // self.config.actor.ppo_mini_batch_size
+        if not units:  # an empty Poisson draw is still a round of (noise-only) DP steps
+            for _ in range(self.config.actor.ppo_epochs * num_mini_batches):
+                fit.update.noise_only_step()
+            return {"prompts": 0.0}
+        totals: dict[str, list[float]] = defaultdict(list)
+        self.model.train()
+        for _ in range(self.config.actor.ppo_epochs):
+            for members in fit.update.split(len(units)):
+                if len(members) == 0:
+                    fit.update.noise_only_step()
+                    continue
+                batch = pair_batch([units[i] for i in members], self.tokenizer, self.models.device)
+                chosen, rejected = pair_scores(self.model, batch)
+                loss = bradley_terry_loss(chosen, rejected, batch.unit_of_pair, batch.num_units)
+                loss.backward()
+                fit.update.step(batch.unit_of_row)
+                totals["pg_loss"].append(loss.item())
+                totals["reward_mean"].append((chosen > rejected).float().mean().item())
+        self.model.eval()
+        return {"prompts": float(len(units)), **{k: float(np.mean(v)) for k, v in totals.items()},
+                "time_update": time.perf_counter() - start}
+
+    @torch.no_grad()
+    def evaluate(self, units: list[PreferenceUnit], micro_batch_size: int = 64) -> EvaluateReport | None:
+        """Pairwise accuracy and mean sigmoid margin on held-out ``units``; None without any."""
+        if not units:
+            return None
+        self.model.eval()
+        margins = []
+        for start in range(0, len(units), micro_batch_size):
+            chosen, rejected = pair_scores(self.model, pair_batch(units[start: start + micro_batch_size],
+                                                                  self.tokenizer, self.models.device))
+            margins.append(chosen - rejected)
+        margin = torch.cat(margins)
+        return EvaluateReport(reward=torch.sigmoid(margin).mean().item(), accuracy=(margin > 0).float().mean().item())
+
+
+# ----------------------------------------------------------------------------- export
+def export_merged(adapter_dir: Path, out_dir: Path, config: ModelConfig) -> Path:
+    """A ready-to-use reward model: the base with the trained adapter merged in and the score
+    head saved, plus the tokenizer; ``reward_model.model.path`` takes it as it is."""
+    from flwr_verl.models import load_adapter_into, load_tokenizer
+
+    trainee = build_reward_model_trainee(dataclasses.replace(config, device="cpu"))
+    load_adapter_into(trainee.model, adapter_dir)
+    merged = trainee.model.merge_and_unload()
+    out_dir = Path(out_dir)
+    merged.save_pretrained(out_dir)
+    load_tokenizer(resolve_model_path(config)).save_pretrained(out_dir)
+    return out_dir

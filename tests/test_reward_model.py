@@ -1,0 +1,137 @@
+"""A learned reward model per client (``flwr_verl.reward_model``): scores, combination, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from flwr_verl.config import ConfigError
+from flwr_verl.embedded import arithmetic_rows, build_tokenizer
+from flwr_verl.protocol import FitConfig, FitReport
+from flwr_verl.reward_model import LearnedReward, load_reward_model
+from flwr_verl.rollout import generate
+from tests.reward_models import other_tokenizer, save_classifier
+
+ROWS = arithmetic_rows(4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_config):
+    from flwr_verl.models import build_models
+
+    config = tiny_config()
+    return config, build_models(config.model, with_critic=False)
+
+
+def _rollout(config, models):
+    torch.manual_seed(0)
+    return generate(models.policy, models.tokenizer, ROWS, config.rollout, config.data.max_prompt_length)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_scores_equal_a_direct_forward_at_the_last_token(policy, reward_model_dirs, which):
+    """Each response's score is what a plain AutoModelForSequenceClassification forward of its
+    unpadded prompt + response gives, on the last response token; with the ``other`` reward
+    model the response is re-encoded by a different tokenizer, through its chat template."""
+    config, models = policy
+    directory = reward_model_dirs[which]
+    batch = _rollout(config, models)
+    scores = LearnedReward(load_reward_model(str(directory), models.device), models.tokenizer,
+                           dataclasses.replace(config.reward_model, micro_batch_size=3))(batch)
+
+    reference = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    mask = batch.batch["response_mask"]
+    assert mask.sum(-1).min() < mask.shape[1]  # some responses end early: the last-token position varies
+    for i, row in enumerate(r for r in ROWS for _ in range(config.rollout.n)):  # n adjacent rows per prompt
+        length = int(mask[i].sum())
+        response = models.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
+        messages = row["prompt"] + [{"role": "assistant", "content": response}]
+        text = (tokenizer.apply_chat_template(messages, tokenize=False) if which == "other"
+                else "<s>" + row["prompt"][0]["content"] + response)
+        with torch.no_grad():
+            expected = reference(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+        assert scores[i, length - 1].item() == pytest.approx(expected.item(), abs=1e-5)
+        assert torch.count_nonzero(scores[i]) <= 1  # nothing anywhere else
+
+
+def test_add_combines_the_rule_reward_with_its_weight(policy, reward_model_dirs):
+    from flwr_verl.rewards import make_reward_manager
+    from flwr_verl.embedded import compute_score
+
+    config, models = policy
+    batch = _rollout(config, models)
+    rule = make_reward_manager(models.tokenizer, compute_score)
+    model = load_reward_model(str(reward_model_dirs["same"]), models.device)
+    replace = LearnedReward(model, models.tokenizer, config.reward_model)(batch)
+    added = LearnedReward(model, models.tokenizer,
+                          dataclasses.replace(config.reward_model, combine="add", rule_weight=0.5), rule=rule)(batch)
+    torch.testing.assert_close(added, replace + 0.5 * rule(batch))
+
+
+def test_a_client_trains_against_its_node_reward_model_under_dp(tiny_config, reward_model_dirs):
+    """The node's ``reward-model-path`` overrides the run config's path; fit runs under DP and
+    reports the reward model's time (training metrics sent in the clear, for the test)."""
+    from flwr_verl.client import VerlClient, with_node_reward_model
+
+    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "metrics": "clear"},
+                         reward_model={"enable": True},
+                         trainer={"local_iterations": 1})
+    config, key = with_node_reward_model(config, str(reward_model_dirs["other"]))
+    assert (config.reward_model.model.path, key) == (str(reward_model_dirs["other"]), "node config reward-model-path")
+    client = VerlClient(config, arithmetic_rows(32, seed=1), [], reward_model_key=key)
+    instructions = FitConfig(server_round=1, local_iterations=1, planned_iterations=1, proximal_mu=0.0)
+    update, _, metrics = client.fit(client.get_parameters({}), instructions.to_config())
+    report = FitReport.from_metrics(metrics)
+    assert any(abs(a).max() > 0 for a in update)
+    assert report.training.time_reward > 0 and report.privacy.epsilon_total > 0
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_enabled_without_a_path_names_the_keys(tiny_config):
+    from flwr_verl.client import VerlClient
+
+    with pytest.raises(ConfigError, match=r"reward_model.model.path.*reward-model-path"):
+        VerlClient(tiny_config(reward_model={"enable": True}), arithmetic_rows(32, seed=1), [])
+
+
+def test_a_missing_directory_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"node config reward-model-path=.*existing local reward-model directory"):
+        load_reward_model(str(tmp_path / "nope"), torch.device("cpu"), key="node config reward-model-path")
+
+
+def test_a_causal_lm_is_not_a_reward_model(model_path):
+    with pytest.raises(ConfigError, match=r"reward_model.model.path=.*not a reward model.*LlamaForCausalLM"):
+        load_reward_model(str(model_path), torch.device("cpu"))
+
+
+def test_a_two_label_classifier_is_not_a_reward_model(tmp_path):
+    directory = save_classifier(tmp_path / "two", build_tokenizer(), num_labels=2)
+    with pytest.raises(ConfigError, match=r"not a reward model.*num_labels=2"):
+        load_reward_model(str(directory), torch.device("cpu"))
+
+
+def test_a_tokenizer_without_pad_or_eos_is_refused(tmp_path):
+    directory = save_classifier(tmp_path / "nopad", other_tokenizer(), arch="gpt2")
+    other_tokenizer(special_tokens=False).save_pretrained(directory)  # replaced by one with no special tokens
+    with pytest.raises(ConfigError, match=r"no pad token and no EOS"):
+        load_reward_model(str(directory), torch.device("cpu"))
+
+
+def test_a_reward_model_too_short_for_prompt_plus_response_is_refused(tmp_path, tiny_config):
+    from flwr_verl.client import VerlClient
+
+    directory = save_classifier(tmp_path / "short", build_tokenizer(), max_positions=8)
+    config = tiny_config(reward_model={"enable": True, "model.path": str(directory)})
+    with pytest.raises(ConfigError, match=r"holds 8 positions.*rollout.response_length=6"):
+        VerlClient(config, arithmetic_rows(32, seed=1), [])
+
+
+def test_bad_combine_and_micro_batch_are_config_errors(tiny_config):
+    with pytest.raises(ConfigError, match="reward_model.combine='mean'.*replace, add"):
+        tiny_config(reward_model={"combine": "mean"})
+    with pytest.raises(ConfigError, match="reward_model.micro_batch_size=0"):
+        tiny_config(reward_model={"micro_batch_size": 0})
