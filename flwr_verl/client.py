@@ -212,7 +212,10 @@ class VerlClient(NumPyClient):
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
-        if instructions.secagg:
+        num_examples = len(self.train_rows)
+        if self.config.privacy.client_level.enabled:  # client-level DP: noisy integers of weight 1
+            update, num_examples = self._encode_client_level(update, instructions), 1
+        elif instructions.secagg:
             check_update(update, len(self.train_rows), instructions.secagg.clipping_range,
                          instructions.secagg.max_weight)
         report = dataclasses.replace(
@@ -220,7 +223,7 @@ class VerlClient(NumPyClient):
             privacy=self._privacy_report(account, spent, result.mechanism, iterations) if result.mechanism else None,
             training=summarize_training(result.metrics, time.perf_counter() - start),
         )
-        return update, len(self.train_rows), report.to_metrics()
+        return update, num_examples, report.to_metrics()
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
         self.adapters.set_arrays(parameters)
@@ -228,6 +231,20 @@ class VerlClient(NumPyClient):
         if result is None:
             return 0.0, 0, {}
         return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
+
+    def _encode_client_level(self, update: list[np.ndarray], instructions: FitConfig) -> list[np.ndarray]:
+        """The update clipped, rotated, rounded and noised (``distributed_dp.encode_update``): what
+        SecAgg+ sums. Refused unless the server set up the round for it."""
+        from flwr_verl.distributed_dp import encode_update, plan_round
+
+        if instructions.client_level is None or not instructions.secagg:
+            raise ConfigError("privacy.client_level.enabled=true, but the server's round is not a client-level DP "
+                              "round under SecAgg+; the update is not sent")
+        plan = plan_round(self.config.privacy.client_level, sum(a.size for a in update),
+                          instructions.client_level.num_clients, instructions.client_level.threshold)
+        seed = ((self.config.trainer.seed, instructions.server_round, self.partition_id)
+                if self.config.privacy.deterministic else None)  # None: the OS's entropy
+        return encode_update(update, plan, instructions.server_round, np.random.default_rng(seed))
 
     # ------------------------------------------------------------------ privacy state
     def _account(self, instructions: FitConfig) -> PrivacyAccount:

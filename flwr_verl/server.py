@@ -34,6 +34,7 @@ from flwr.server import Grid, LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow
 
 from flwr_verl.config import parse_run_config
+from flwr_verl.distributed_dp import integer_secagg_parameters
 from flwr_verl.models import build_models
 from flwr_verl.protocol import SecAggBounds
 from flwr_verl.rundir import RunDirectory, fingerprint
@@ -52,11 +53,14 @@ def run_server(grid: Grid, context: Context) -> Path:
     federation, engine = config.federation, config.engine
     secagg = (derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
               if federation.secagg.enabled else None)
+    client_level = engine.privacy.client_level if engine.privacy.client_level.enabled else None
+    workflow_secagg = integer_secagg_parameters(secagg, client_level.bits) if client_level else secagg
     adapters = build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters
     run = RunDirectory.create(federation.output_dir, adapters, config)
     strategy = FedProxAdapters(
         federation, adapters.get_arrays(), local_iterations=engine.trainer.local_iterations,
         secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight) if secagg else None,
+        client_level=client_level,
     )
     if federation.resume and (state := run.last_checkpoint()):
         strategy.load_state_dict(state)
@@ -70,7 +74,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         return run.path
 
     legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=remaining), strategy=strategy)
-    rounds = RoundLoop(strategy, run, federation, CheckedSecAggPlusWorkflow(**secagg.workflow_kwargs()) if secagg else None)
+    rounds = RoundLoop(strategy, run, federation, CheckedSecAggPlusWorkflow(**workflow_secagg.workflow_kwargs()) if secagg else None)
     try:
         DefaultWorkflow(fit_workflow=rounds.fit, evaluate_workflow=rounds.evaluate)(grid, legacy)
     except StopFederation as stop:
