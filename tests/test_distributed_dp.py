@@ -246,3 +246,41 @@ def test_the_server_applies_the_noisy_mean_and_accounts_it(secure_round):
     account = ddp.ClientLevelAccount.from_json(phase["client_level_account"])
     assert phase["fit_metrics"]["epsilon_client_level"] == pytest.approx(account.epsilon(1e-5))
     assert account.history[0][3] == 1.0  # every available client was sampled
+
+
+# ----------------------------------------------------------------------------- with the RL engine
+def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_epsilon(tiny_config):
+    """Three ``VerlClient``s in this process under client-level DP: each hands SecAgg+ one vector
+    of integers of the modular range with weight 1 (its data size stays private), and the round's
+    metrics and log carry the client-level epsilon beside the per-prompt one."""
+    from flwr.common import parameters_to_ndarrays
+
+    from flwr_verl.client import VerlClient
+    from flwr_verl.config import FederationConfig, SecAggConfig
+    from flwr_verl.data import load_rows
+    from flwr_verl.inprocess import InProcessClients, fit_round
+    from flwr_verl.protocol import SecAggBounds
+    from flwr_verl.strategy import FedProxAdapters
+
+    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True,
+                                  "client_level.enabled": True, "client_level.clip_norm": 0.05,
+                                  "client_level.noise_multiplier": 0.8},
+                         trainer={"local_iterations": 1})
+    clients = {str(i): VerlClient(config, load_rows(config.data, "train", 0, i, 3), [], partition_id=i)
+               for i in range(3)}
+    initial = clients["0"].adapters.get_arrays()
+    strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, secagg=SecAggConfig()), initial,
+                               local_iterations=1, secure_aggregation=SecAggBounds(1.0, 64.0),
+                               client_level=config.privacy.client_level)
+    results, metrics = fit_round(strategy, InProcessClients(clients), 1, secure=True)
+    modulus = 2**config.privacy.client_level.bits
+    dim = sum(a.size for a in initial)
+    for _, res in results:
+        (sent,) = parameters_to_ndarrays(res.parameters)
+        assert res.num_examples == 1
+        assert sent.size == 1 << (dim - 1).bit_length()
+        assert (sent == np.round(sent)).all() and sent.min() >= -modulus // 2 and sent.max() < modulus // 2
+    assert 0 < metrics["epsilon_client_level"] < math.inf and metrics["epsilon_total"] > 0
+    moved = np.concatenate([(a - b).ravel() for a, b in zip(strategy.global_arrays, initial)])
+    assert np.linalg.norm(moved) > 0
+    assert strategy.state_dict()["client_level_account"] == strategy.client_level_account.to_json()
