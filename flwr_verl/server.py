@@ -102,4 +102,6 @@ def summary(records: list[dict]) -> str:
                      f"{last['evaluate']['accuracy']:.3f} at round {last['round']}")
     if spent := [r["fit"]["epsilon_total"] for r in records if "epsilon_total" in r.get("fit", {})]:
         parts.append(f"epsilon {spent[-1]:.2f}")
+    if client_level := [r["fit"]["epsilon_client_level"] for r in records if "epsilon_client_level" in r.get("fit", {})]:
+        parts.append(f"client-level epsilon {client_level[-1]:.2f}")
     return ", ".join(parts) or "no round was recorded"
