@@ -74,6 +74,7 @@ import numpy as np
 from scipy.special import gammaln, logsumexp
 
 from flwr_verl.config import ClientLevelConfig, ConfigError, FlwrVerlError
+from flwr_verl.secagg import SecAggParameters
 
 K_STDDEVS = 6.0  # headroom of the modular range, in standard deviations of one coordinate of the sum
 MAX_BITS = 30  # Flower's stochastic rounding casts to int32: the quantization range must stay below 2**31
@@ -188,11 +189,10 @@ def _bits_problem(config: ClientLevelConfig, bits: int, dim: int, num_clients: i
     return ""
 
 
-def integer_secagg_parameters(params, bits: int):
-    """Flower SecAgg+ settings under which a client's integers in [-2**(bits-1), 2**(bits-1)) are
-    summed unchanged: weight 1 (``max_weight`` = every client's ``num_examples`` = 1), clipping
-    range 2**(bits-1) and quantization range 2**bits (scale factor 1). ``params`` is a
-    ``flwr_verl.secagg.SecAggParameters``."""
+def integer_secagg_parameters(params: SecAggParameters, bits: int) -> SecAggParameters:
+    """``params`` changed so that Flower's SecAgg+ sums a client's integers in
+    [-2**(bits-1), 2**(bits-1)) unchanged: weight 1 (``max_weight`` = every client's
+    ``num_examples`` = 1), clipping range 2**(bits-1), quantization range 2**bits (scale 1)."""
     return replace(params, clipping_range=float(2 ** (bits - 1)), quantization_range=2**bits, max_weight=1.0)
 
 

@@ -113,6 +113,16 @@ def test_the_integer_settings_are_accepted_by_flower():
     SecAggPlusWorkflow(**ddp.integer_secagg_parameters(_secagg_parameters(), 20).workflow_kwargs())
 
 
+def test_the_round_instructions_travel_in_the_fit_config():
+    from flwr_verl.protocol import ClientLevelRound, FitConfig, SecAggBounds
+
+    sent = FitConfig(server_round=4, local_iterations=2, planned_iterations=16, proximal_mu=0.0,
+                     secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=5, threshold=2))
+    assert FitConfig.from_config(sent.to_config()) == sent
+    plain = FitConfig(server_round=4, local_iterations=2, planned_iterations=16, proximal_mu=0.0)
+    assert FitConfig.from_config(plain.to_config()).client_level is None
+
+
 # ----------------------------------------------------------------------------- accounting
 def test_epsilon_at_full_participation_matches_opacus_gaussian_rdp_plus_skellams_term():
     """fraction-fit 1: per round, Opacus's RDP of the Gaussian mechanism at sigma = sqrt(mu) / D2,
