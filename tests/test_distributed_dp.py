@@ -86,6 +86,19 @@ def test_conditional_rounding_is_unbiased_and_within_the_sensitivity():
     assert np.abs(draws.mean(axis=0) - x).max() < 0.5 / math.sqrt(400) * 5
 
 
+def test_what_a_client_hands_secagg_already_carries_its_noise_share():
+    """The noise is added before the update leaves the client, so every sum that SecAgg+ (or
+    anyone) can form from what clients send contains it: decoded alone, one client's message is
+    its update plus noise of its share's variance."""
+    plan = ddp.plan_round(CONFIG, 4096, num_clients=3, threshold=2)
+    rng = np.random.default_rng(5)
+    update = rng.normal(size=4096) * 1e-4  # inside the clipping ball
+    sent = ddp.encode_update([update], plan, server_round=1, rng=rng)
+    alone = ddp.decode_aggregate(sent, 1, plan, 1, [(4096,)])[0]
+    assert np.std(alone - update) == pytest.approx(math.sqrt(plan.client_variance) / plan.scale, rel=0.05)
+    assert np.std(alone - update) > 100 * np.std(update)
+
+
 def test_flowers_quantization_passes_the_clients_integers_unchanged():
     """What secaggplus_mod does to the encoded update (weight 1, clip, shift, scale 1, stochastic
     rounding), with Flower's own functions: it yields each client's integers modulo 2**bits."""
