@@ -19,7 +19,9 @@ Two measurements, each printed and written to ``--out/client_level_dp.json``:
    The clipping norm is the median norm of the non-private clients' round-1 updates (training
    data only); the noise multiplier is the smallest that keeps epsilon within the target over the
    planned rounds. Accuracy is on the task's validation problems, disjoint from every client's
-   training problems (``embedded.split_problems``).
+   training problems (``embedded.split_problems``). Two more arms run the same pipeline at the
+   small fixed noise multipliers ``--noises`` (their epsilon is reported, huge): the mechanism's
+   cost without the noise that the epsilon targets need.
 
     python benchmarks/client_level_dp.py [--dim 29696] [--clients 3] [--trials 5] [--utility] [--out DIR]
 """
@@ -194,6 +196,9 @@ def utility(args) -> dict:
         arms[f"epsilon_{target:g}"] = {**arm, "noise_multiplier": noise, "clip_norm": clip}
         print(f"  epsilon {target:g}: noise {noise:.3f}, spent {arm['epsilon_client_level']:.3f}, "
               f"accuracy {arm['accuracy_per_round'][0]:.3f} -> {arm['accuracy_per_round'][-1]:.3f}", flush=True)
+    for noise in args.noises:  # the same pipeline at little noise: what the mechanism costs without the noise
+        arm = run({"clip_norm": clip, "noise_multiplier": noise, "bits": args.utility_bits})
+        arms[f"noise_{noise:g}"] = {**arm, "noise_multiplier": noise, "clip_norm": clip}
     return {"clients": args.clients, "rounds": args.rounds, "local_iterations": args.local_iterations,
             "fraction_fit": 1.0, "delta": DELTA, "eval_problems": len(eval_rows), "dim": dim, "arms": arms}
 
@@ -209,6 +214,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--utility", action="store_true", help="also measure held-out accuracy (minutes)")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0, 10.0])
+    parser.add_argument("--noises", type=float, nargs="*", default=[0.01, 0.05],
+                        help="also these fixed client-level noise multipliers (their epsilon is reported)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--local-iterations", type=int, default=4)
     parser.add_argument("--train-size", type=int, default=256)
@@ -236,7 +243,9 @@ def main() -> None:
         print(f"utility: {args.clients} clients, {args.rounds} rounds x {args.local_iterations} local iterations")
         payload["utility"] = utility(args)
         for name, arm in payload["utility"]["arms"].items():
-            print(f"  {name:<20} accuracy {arm['accuracy_per_round'][0]:.3f} -> {arm['accuracy_per_round'][-1]:.3f}")
+            spent = arm["epsilon_client_level"]
+            print(f"  {name:<20} accuracy {arm['accuracy_per_round'][0]:.3f} -> {arm['accuracy_per_round'][-1]:.3f}"
+                  + ("" if spent is None else f"  client-level epsilon {spent:.4g}"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "client_level_dp.json").write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.out / 'client_level_dp.json'}")
