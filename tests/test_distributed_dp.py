@@ -214,8 +214,29 @@ def test_a_bit_width_too_small_for_the_clients_fails_before_training():
 
 
 def test_client_level_dp_without_secagg_is_refused():
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.strategy import FedProxAdapters
+
     with pytest.raises(ConfigError, match=r"needs secagg.enabled=true"):
         parse_run_config({"privacy.client_level.enabled": True, "secagg.enabled": False})
+    with pytest.raises(ConfigError, match=r"needs secagg.enabled=true"):
+        FedProxAdapters(FederationConfig(), [np.zeros(4)], local_iterations=1, client_level=CONFIG)
+
+
+def test_the_server_refuses_a_round_with_more_clients_than_the_bits_hold_before_anyone_trains():
+    from flwr.common import ndarrays_to_parameters
+
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.inprocess import InProcessClients
+    from flwr_verl.protocol import SecAggBounds
+    from flwr_verl.strategy import FedProxAdapters
+
+    initial = [np.zeros(64)]
+    strategy = FedProxAdapters(FederationConfig(), initial, local_iterations=1, secure_aggregation=SecAggBounds(1, 64),
+                               client_level=dataclasses.replace(CONFIG, bits=12))
+    assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(3)))) == 3
+    with pytest.raises(ConfigError, match=r"privacy.client_level.bits=12 is invalid for 500 clients per round"):
+        strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(500)))
 
 
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
