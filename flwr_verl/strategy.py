@@ -319,6 +319,8 @@ class FedProxAdapters(Strategy):
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         round_number = self.round_number(server_round)
         messages = describe_failures(failures)
+        if self.client_level is not None and results:  # SecAgg+ released the noisy sum: spent, applied or not
+            self.client_level_account.record(*self._round_plan)
         reports: list[tuple[ClientProxy, FitRes, FitReport]] = []
         for proxy, res in results:
             try:
@@ -351,10 +353,9 @@ class FedProxAdapters(Strategy):
             # SecAgg+ hands every FitRes the same, already weighted, mean.
             mean_update = parameters_to_ndarrays(contributing[0][1].parameters)
             if self.client_level is not None:  # the secure sum of noisy integers, decoded
-                plan, rate = self._round_plan
+                plan = self._round_plan[0]
                 mean_update = decode_aggregate(mean_update, len(results), plan, round_number,
                                                [tuple(w.shape) for w in self.weights])
-                self.client_level_account.record(plan, rate)
             if not all(np.isfinite(a).all() for a in mean_update):
                 raise RoundFailed(f"round {round_number}: the securely aggregated update is not finite; "
                                   "the global adapter is left unchanged")
