@@ -6,7 +6,9 @@ shapes and scales, and a list of *phases*. One phase is one configuration of the
 - ``secagg``: ``None`` for Flower's default fit workflow, else the keyword arguments of
   ``SecAggPlusWorkflow`` (``secagg_kwargs``: what ``derive_parameters`` derives);
 - ``format``: what clients return, ``delta`` (new - global), ``weights`` or ``fixed`` (a fixed
-  random update, the same every round: the protocol is measured, not RL); ``dtype``;
+  random update, the same every round: the protocol is measured, not RL), or ``client_level``
+  (the fixed update encoded for client-level DP, ``client_level_output``; the phase then names
+  its ``client_level`` config, a ``ClientLevelConfig`` as a dict); ``dtype``;
 - ``rounds``; ``capture``: keep what the strategy received and its new (float64) weights.
 
 ``run_flower(spec)`` runs every phase in one ``flwr.simulation.run_simulation`` (Ray backend) in a
@@ -111,6 +113,18 @@ def client_output(spec: dict, partition_id: int, parameters: list[np.ndarray], u
     return exact_update(new, parameters)
 
 
+def client_level_output(spec: dict, phase_config: dict, partition_id: int, server_round: int, num_clients: int,
+                        threshold: int) -> list[np.ndarray]:
+    """The fixed update encoded for client-level DP (``distributed_dp.encode_update``), with noise
+    seeded by (seed, round, partition): a test recomputes exactly what each client handed SecAgg+."""
+    from flwr_verl.config import ClientLevelConfig
+    from flwr_verl.distributed_dp import encode_update, plan_round
+
+    update = fixed_update(spec, partition_id)
+    plan = plan_round(ClientLevelConfig(**phase_config), sum(a.size for a in update), num_clients, threshold)
+    return encode_update(update, plan, server_round, np.random.default_rng([spec["seed"], server_round, partition_id]))
+
+
 def run_spec() -> dict:
     """The spec of the current run (the child and its Ray workers find it through ``SPEC_ENV``)."""
     path = os.environ[SPEC_ENV]
@@ -129,10 +143,17 @@ class FixedUpdateClient(NumPyClient):
     def fit(self, parameters, config):
         spec = run_spec()
         num_examples = int(spec["num_examples"][self.partition_id])
-        update = client_output(spec, self.partition_id, parameters, str(config["update_format"]),
-                               str(config["update_dtype"]))
-        secagg = FitConfig.from_config(config).secagg
-        if secagg:
+        instructions = FitConfig.from_config(config)
+        secagg = instructions.secagg
+        if config["update_format"] == "client_level":
+            num_examples = 1  # the weight SecAgg+ is set up for (distributed_dp.integer_secagg_parameters)
+            update = client_level_output(spec, json.loads(str(config["client_level_config"])), self.partition_id,
+                                         instructions.server_round, instructions.client_level.num_clients,
+                                         instructions.client_level.threshold)
+        else:
+            update = client_output(spec, self.partition_id, parameters, str(config["update_format"]),
+                                   str(config["update_dtype"]))
+        if secagg and config["update_format"] != "client_level":
             check_update(update, num_examples, secagg.clipping_range, secagg.max_weight)
         report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=str(self.partition_id),
                            bytes_received=0, bytes_sent=0)
@@ -240,7 +261,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
     from flwr.server.workflow.default_workflows import default_fit_workflow
 
-    from flwr_verl.config import FederationConfig, SecAggConfig
+    from flwr_verl.config import ClientLevelConfig, FederationConfig, SecAggConfig
     from flwr_verl.protocol import SecAggBounds
     from flwr_verl.strategy import FedProxAdapters
 
@@ -257,7 +278,8 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
         def configure_fit(self, server_round, parameters, client_manager):
             instructions = super().configure_fit(server_round, parameters, client_manager)
             for _, fit_ins in instructions:
-                fit_ins.config.update(update_format=phase["format"], update_dtype=phase["dtype"])
+                fit_ins.config.update(update_format=phase["format"], update_dtype=phase["dtype"],
+                                      client_level_config=json.dumps(phase.get("client_level") or {}))
             return instructions
 
         def aggregate_fit(self, server_round, results, failures):
@@ -275,10 +297,11 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
         evaluate_every=0, fraction_evaluate=0.0, proximal_mu=0.0,
         secagg=SecAggConfig(enabled=bool(secagg)),
     )
-    initial = initial_arrays(spec) if phase["format"] != "fixed" else [np.zeros(s, np.float32) for s in spec["shapes"]]
+    initial = initial_arrays(spec) if phase["format"] not in ("fixed", "client_level") else [np.zeros(s, np.float32) for s in spec["shapes"]]
     strategy = MeasuredStrategy(
         federation, initial, local_iterations=1,
         secure_aggregation=SecAggBounds(secagg["clipping_range"], secagg["max_weight"]) if secagg else None,
+        client_level=ClientLevelConfig(**phase["client_level"]) if phase.get("client_level") else None,
     )
     stage_seconds: dict[str, list[float]] = {}
 
@@ -317,6 +340,7 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     result = {
         "name": phase["name"], "round_seconds": times, "aggregated_rounds": strategy.aggregated_rounds,
         "failures": strategy.failures_seen, "fit_metrics": strategy.state_dict()["last_round"].get("fit", {}),
+        "client_level_account": strategy.client_level_account.to_json(),
         "memory": sampler.end(before) if sampler else None, "stage_seconds": stage_seconds,
     }
     if capture:

@@ -281,7 +281,9 @@ class VerlClient(NumPyClient):
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
         weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
-        if instructions.secagg:
+        if self.config.privacy.client_level.enabled:  # client-level DP: noisy integers of weight 1
+            update, weight = self._encode_client_level(update, instructions), 1
+        elif instructions.secagg:
             check_update(update, weight, instructions.secagg.clipping_range, instructions.secagg.max_weight)
         report = dataclasses.replace(
             report, bytes_sent=_nbytes(update),
@@ -297,6 +299,20 @@ class VerlClient(NumPyClient):
         if result is None:
             return 0.0, 0, {}
         return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
+
+    def _encode_client_level(self, update: list[np.ndarray], instructions: FitConfig) -> list[np.ndarray]:
+        """The update clipped, rotated, rounded and noised (``distributed_dp.encode_update``): what
+        SecAgg+ sums. Refused unless the server set up the round for it."""
+        from flwr_verl.distributed_dp import encode_update, plan_round
+
+        if instructions.client_level is None or not instructions.secagg:
+            raise ConfigError("privacy.client_level.enabled=true, but the server's round is not a client-level DP "
+                              "round under SecAgg+; the update is not sent")
+        plan = plan_round(self.config.privacy.client_level, sum(a.size for a in update),
+                          instructions.client_level.num_clients, instructions.client_level.threshold)
+        seed = ((self.config.trainer.seed, instructions.server_round, self.partition_id)
+                if self.config.privacy.deterministic else None)  # None: the OS's entropy
+        return encode_update(update, plan, instructions.server_round, np.random.default_rng(seed))
 
     # ------------------------------------------------------------------ privacy state
     @functools.cached_property

@@ -250,6 +250,30 @@ class AlgorithmConfig:
 
 
 @dataclass
+class ClientLevelConfig:
+    """Client-level DP with distributed Skellam noise under SecAgg+ (``distributed_dp.py``): the
+    privacy unit is one client's whole round update, and no one ever holds a noise-free sum."""
+
+    enabled: bool = False
+    clip_norm: float = 0.1  # L2 bound on one client's whole update (every adapter array together)
+    noise_multiplier: float = 1.0  # std of the summed noise / clip_norm, with the threshold number of survivors
+    bits: int = 20  # modular range 2**bits of each coordinate of the sum (at most 30: Flower rounds through int32)
+    rotation: bool = True  # randomized Hadamard transform, seeded by the round: fewer bits for the same error
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        require(self.clip_norm > 0, "privacy.client_level.clip_norm", self.clip_norm, "must be > 0")
+        require(self.noise_multiplier >= 0, "privacy.client_level.noise_multiplier", self.noise_multiplier,
+                "must be >= 0")
+        require(self.noise_multiplier > 0 or not self.enabled, "privacy.client_level.noise_multiplier",
+                self.noise_multiplier, "must be > 0 under privacy.client_level.enabled=true (no noise: epsilon = "
+                "infinity)")
+        require(2 <= self.bits <= 30, "privacy.client_level.bits", self.bits,
+                "must be in [2, 30] (Flower's SecAgg+ quantizes through int32)")
+        require(0 < self.delta < 1, "privacy.client_level.delta", self.delta, "must be in (0, 1)")
+
+
+@dataclass
 class PrivacyConfig:
     """DP-SGD through Opacus. The privacy unit is one prompt with everything generated from it."""
 
@@ -277,6 +301,7 @@ class PrivacyConfig:
         if self.metrics == "auto":
             return "none" if self.enabled else "clear"
         return self.metrics
+    client_level: ClientLevelConfig = field(default_factory=ClientLevelConfig)
 
     def __post_init__(self) -> None:
         require(self.noise_multiplier >= 0, "privacy.noise_multiplier", self.noise_multiplier, "must be >= 0")
@@ -451,6 +476,19 @@ class RunConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+
+    def __post_init__(self) -> None:
+        client_level, secagg = self.engine.privacy.client_level, self.federation.secagg
+        if not client_level.enabled:
+            return
+        require(secagg.enabled, "privacy.client_level.enabled", True,
+                "needs secagg.enabled=true (without SecAgg+ the server would see each client's lightly noised update)")
+        from flwr_verl.distributed_dp import plan_round  # it imports this module
+
+        # The bit width against the fewest clients a round samples, at the smallest update; the
+        # server checks again with the round's real numbers before the clients train.
+        plan_round(client_level, dim=1, num_clients=self.federation.min_fit_clients,
+                   threshold=secagg.reconstruction_threshold)
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -59,14 +59,26 @@ class InProcessClients:
         return eligible[:num_clients] if len(eligible) >= num_clients else []
 
 
-def fit_round(strategy: FedProxAdapters, manager: InProcessClients,
-              server_round: int) -> tuple[list[tuple[ClientProxy, FitRes]], dict]:
+def fit_round(strategy: FedProxAdapters, manager: InProcessClients, server_round: int,
+              secure: bool = False) -> tuple[list[tuple[ClientProxy, FitRes]], dict]:
     """One round: the strategy's instructions, each sampled client's ``fit``, the aggregation.
-    Returns what the clients sent and the round's aggregated fit metrics."""
+    Returns what the clients sent and the round's aggregated fit metrics.
+
+    ``secure``: SecAgg+'s arithmetic without its masking or quantization: the strategy gets every
+    ``FitRes`` carrying the num_examples-weighted mean of the updates, as ``SecAggPlusWorkflow``
+    hands it over. For client-level DP's integers (weight 1) that is Flower's result exactly
+    (``tests/test_distributed_dp.py`` compares with real SecAgg+)."""
     results = []
     for proxy, ins in strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays), manager):
         update, num_examples, metrics = manager.clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters),
                                                                       dict(ins.config))
         results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), num_examples, metrics)))
-    _, metrics = strategy.aggregate_fit(server_round, results, [])
+    received = results
+    if secure:
+        total = sum(res.num_examples for _, res in results)
+        updates = [(parameters_to_ndarrays(res.parameters), res.num_examples) for _, res in results]
+        mean = ndarrays_to_parameters([sum(n * arrays[i] for arrays, n in updates) / total
+                                       for i in range(len(updates[0][0]))])
+        received = [(proxy, FitRes(res.status, mean, res.num_examples, res.metrics)) for proxy, res in results]
+    _, metrics = strategy.aggregate_fit(server_round, received, [])
     return results, metrics

@@ -51,6 +51,16 @@ class SecAggBounds:
 
 
 @dataclass(frozen=True)
+class ClientLevelRound:
+    """What a client needs, beyond its own ``privacy.client_level`` config, to encode its update for
+    client-level DP (``distributed_dp.plan_round``): the round's number of sampled clients and
+    SecAgg+'s reconstruction threshold. The rotation's seed is the round number."""
+
+    num_clients: int
+    threshold: int
+
+
+@dataclass(frozen=True)
 class FitConfig:
     """The server's instructions for one client's fit."""
 
@@ -60,6 +70,7 @@ class FitConfig:
     proximal_mu: float
     secagg: SecAggBounds | None = None  # None: the update travels in the clear
     fail_partition: int = -1  # fault injection for tests: this partition's fit raises
+    client_level: ClientLevelRound | None = None  # None: no client-level DP
 
     def to_config(self) -> dict[str, bool | int | float | str]:
         config: dict[str, bool | int | float | str] = {
@@ -69,6 +80,9 @@ class FitConfig:
         }
         if self.secagg is not None:
             config.update(secagg_clipping_range=self.secagg.clipping_range, secagg_max_weight=self.secagg.max_weight)
+        if self.client_level is not None:
+            config.update(client_level_num_clients=self.client_level.num_clients,
+                          client_level_threshold=self.client_level.threshold)
         return config
 
     @classmethod
@@ -80,6 +94,9 @@ class FitConfig:
             planned_iterations=_read(config, "planned_iterations", int),
             proximal_mu=_read(config, "proximal_mu", float),
             secagg=secagg, fail_partition=_read(config, "fail_partition", int),
+            client_level=ClientLevelRound(_read(config, "client_level_num_clients", int),
+                                          _read(config, "client_level_threshold", int))
+            if "client_level_num_clients" in config else None,
         )
 
 

@@ -34,6 +34,7 @@ from flwr.server import Grid, LegacyContext, ServerConfig
 from flwr.server.workflow import DefaultWorkflow
 
 from flwr_verl.config import ModelConfig, parse_run_config
+from flwr_verl.distributed_dp import integer_secagg_parameters
 from flwr_verl.protocol import SecAggBounds
 from flwr_verl.rundir import RunDirectory, fingerprint
 from flwr_verl.secagg import derive_parameters
@@ -52,11 +53,14 @@ def run_server(grid: Grid, context: Context) -> Path:
     federation, engine = config.federation, config.engine
     secagg = (derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
               if federation.secagg.enabled else None)
+    client_level = engine.privacy.client_level if engine.privacy.client_level.enabled else None
+    workflow_secagg = integer_secagg_parameters(secagg, client_level.bits) if client_level else secagg
     adapters = build_stage_models(engine).adapters
     run = RunDirectory.create(federation.output_dir, adapters, config)
     strategy = FedProxAdapters(
         federation, adapters.get_arrays(), local_iterations=engine.trainer.local_iterations,
         secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight) if secagg else None,
+        client_level=client_level,
     )
     if federation.resume and (state := run.last_checkpoint()):
         strategy.load_state_dict(state)
@@ -70,7 +74,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         return run.path
 
     legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=remaining), strategy=strategy)
-    rounds = RoundLoop(strategy, run, federation, CheckedSecAggPlusWorkflow(**secagg.workflow_kwargs()) if secagg else None)
+    rounds = RoundLoop(strategy, run, federation, CheckedSecAggPlusWorkflow(**workflow_secagg.workflow_kwargs()) if secagg else None)
     try:
         DefaultWorkflow(fit_workflow=rounds.fit, evaluate_workflow=rounds.evaluate)(grid, legacy)
     except StopFederation as stop:
@@ -108,4 +112,6 @@ def summary(records: list[dict]) -> str:
                      f"{last['evaluate']['accuracy']:.3f} at round {last['round']}")
     if spent := [r["fit"]["epsilon_total"] for r in records if "epsilon_total" in r.get("fit", {})]:
         parts.append(f"epsilon {spent[-1]:.2f}")
+    if client_level := [r["fit"]["epsilon_client_level"] for r in records if "epsilon_client_level" in r.get("fit", {})]:
+        parts.append(f"client-level epsilon {client_level[-1]:.2f}")
     return ", ".join(parts) or "no round was recorded"

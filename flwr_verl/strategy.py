@@ -72,9 +72,11 @@ from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
-from flwr_verl.config import ConfigError, FederationConfig, FlwrVerlError
+from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig, FlwrVerlError
+from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
 from flwr_verl.protocol import (
     STATUS_BUDGET,
+    ClientLevelRound,
     EvaluateReport,
     FitConfig,
     FitReport,
@@ -192,12 +194,24 @@ class FedProxAdapters(Strategy):
         local_iterations: RL iterations each client runs per round.
         secure_aggregation: the SecAgg+ bounds clients check their update against; None when
             updates travel in the clear.
+        client_level: client-level DP with distributed noise (``distributed_dp.py``; needs
+            ``secure_aggregation``). Each round the server tells clients the number sampled and
+            SecAgg+'s reconstruction threshold, decodes the secure sum of their noisy integers
+            (the only aggregate it ever holds), and accounts the round's client-level epsilon at
+            the sampling rate sampled / eligible clients; None: off.
     """
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
-                 secure_aggregation: SecAggBounds | None = None) -> None:
+                 secure_aggregation: SecAggBounds | None = None,
+                 client_level: ClientLevelConfig | None = None) -> None:
         super().__init__()
+        if client_level is not None and secure_aggregation is None:
+            raise ConfigError("privacy.client_level.enabled=true needs secagg.enabled=true: without SecAgg+ the "
+                              "server would see each client's lightly noised update")
         self.config = config
+        self.client_level = client_level
+        self.client_level_account = ClientLevelAccount()
+        self._round_plan: tuple[SkellamPlan, float] | None = None  # this round's plan and sampling rate
         self.local_iterations = local_iterations
         self.secure_aggregation = secure_aggregation
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
@@ -236,6 +250,7 @@ class FedProxAdapters(Strategy):
             "client_ids": dict(self.client_ids),
             "exhausted": dict(self.exhausted),
             "last_round": self.last_round,
+            "client_level_account": self.client_level_account.to_json(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -248,6 +263,7 @@ class FedProxAdapters(Strategy):
         self.client_ids = dict(state["client_ids"])
         self.exhausted = dict(state["exhausted"])
         self.last_round = state["last_round"]
+        self.client_level_account = ClientLevelAccount.from_json(state.get("client_level_account", "[]"))
 
     # ------------------------------------------------------------------ fit
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
@@ -271,6 +287,10 @@ class FedProxAdapters(Strategy):
         if self.secure_aggregation and len(clients) > MAX_CLIENTS:
             raise ConfigError(f"fraction-fit={self.config.fraction_fit} samples {len(clients)} clients; SecAgg+'s "
                               f"modulus holds the sum of at most {MAX_CLIENTS} without wrapping around")
+        if self.client_level is not None:  # raises ConfigError, before the round trains, if bits are too few
+            plan = plan_round(self.client_level, sum(w.numel() for w in self.weights), len(clients),
+                              self.config.secagg.reconstruction_threshold)
+            self._round_plan = (plan, len(clients) / eligible)
         return [(client, FitIns(parameters, self._fit_config(server_round, client).to_config()))
                 for client in clients]
 
@@ -293,12 +313,16 @@ class FedProxAdapters(Strategy):
             planned_iterations=self.local_iterations * self.config.num_server_rounds,
             proximal_mu=self.config.proximal_mu, secagg=self.secure_aggregation,
             fail_partition=self.config.inject_failure_partition,
+            client_level=ClientLevelRound(self._round_plan[0].num_clients, self._round_plan[0].threshold)
+            if self.client_level is not None else None,
         )
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
         round_number = self.round_number(server_round)
         messages = describe_failures(failures)
+        if self.client_level is not None and results:  # SecAgg+ released the noisy sum: spent, applied or not
+            self.client_level_account.record(*self._round_plan)
         reports: list[tuple[ClientProxy, FitRes, FitReport]] = []
         for proxy, res in results:
             try:
@@ -332,6 +356,10 @@ class FedProxAdapters(Strategy):
         if self.secure_aggregation:
             # SecAgg+ hands every FitRes the same, already weighted, mean.
             mean_update = parameters_to_ndarrays(contributing[0][1].parameters)
+            if self.client_level is not None:  # the secure sum of noisy integers, decoded
+                plan = self._round_plan[0]
+                mean_update = decode_aggregate(mean_update, len(results), plan, round_number,
+                                               [tuple(w.shape) for w in self.weights])
             if not all(np.isfinite(a).all() for a in mean_update):
                 raise RoundFailed(f"round {round_number}: the securely aggregated update is not finite; "
                                   "the global adapter is left unchanged")
@@ -342,6 +370,11 @@ class FedProxAdapters(Strategy):
 
         metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_ledger)
         metrics.update(num_clients=len(contributing), num_failures=len(messages), num_refused=len(refused))
+        if self.client_level is not None:
+            metrics["epsilon_client_level"] = self.client_level_account.epsilon(self.client_level.delta)
+            log(INFO, "round %s: client-level epsilon %.3f at delta %g (%s of %s sampled clients survived)",
+                round_number, metrics["epsilon_client_level"], self.client_level.delta, len(results),
+                self._round_plan[0].num_clients)
         self.completed_round = round_number
         self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
                            "clients": sorted(r.partition_id for _, _, r in contributing),
