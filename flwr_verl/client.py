@@ -169,6 +169,12 @@ class VerlClient(NumPyClient):
             raise ConfigError(f"secagg.max-weight={instructions.secagg.max_weight:g} is invalid: this client has "
                               f"{len(self.train_rows)} training prompts, and SecAgg+ would overflow a larger weight; "
                               "raise secagg.max-weight to at least every client's number of prompts")
+        if instructions.frozen_adapter != self.adapters.frozen_fingerprint:
+            raise ConfigError(
+                f"model.lora_freeze_a={self.config.model.lora_freeze_a}: this client's frozen LoRA A factors "
+                f"(sha256 {self.adapters.frozen_fingerprint[:16] or 'none'}) differ from the server's "
+                f"({instructions.frozen_adapter[:16] or 'none'}). They never travel, so every node must build "
+                "them alike: the same model.path, trainer.seed and library versions (torch, transformers, peft)")
         return {"status": STATUS_OK}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:

@@ -50,7 +50,15 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
 # ----------------------------------------------------------------------------- engine
 @dataclass
 class ModelConfig:
-    """Base model and LoRA adapters. An empty ``path`` selects the embedded default model."""
+    """Base model and LoRA adapters. An empty ``path`` selects the embedded default model.
+
+    ``lora_freeze_a``: FFA-LoRA (Sun et al., ICLR 2024). Every LoRA A stays at the seeded
+    initialisation that the server and every client build alike; only B trains and travels. The
+    update of W = W0 + (alpha/r) B A is then linear in B, so averaging B averages the clients'
+    effective weight updates exactly (averaging A and B separately does not:
+    mean(B) mean(A) != mean(B A)), half the adapter travels, and DP noise enters through one
+    factor only.
+    """
 
     path: str = ""
     lora_rank: int = 8
@@ -59,6 +67,7 @@ class ModelConfig:
     target_modules: str = "all-linear"  # comma-separated module names, or PEFT's "all-linear"
     dtype: str = "float32"
     device: str = "auto"
+    lora_freeze_a: bool = False
 
     def __post_init__(self) -> None:
         if self.path:

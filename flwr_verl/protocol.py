@@ -94,18 +94,24 @@ class PreflightConfig:
     against your own data (model, data, reward function, batch sizes, SecAgg+ bounds) now."""
 
     secagg: SecAggBounds | None = None
+    # The server's ``AdapterSet.frozen_fingerprint`` (model.lora_freeze_a): the frozen LoRA A
+    # factors never travel, so a client must hold the same ones. "" when none is frozen.
+    frozen_adapter: str = ""
 
     def to_config(self) -> dict[str, bool | int | float | str]:
+        frozen = {"frozen_adapter": self.frozen_adapter} if self.frozen_adapter else {}
         if self.secagg is None:
-            return {"secure": False}
+            return {"secure": False, **frozen}
         return {"secure": True, "secagg_clipping_range": self.secagg.clipping_range,
-                "secagg_max_weight": self.secagg.max_weight}
+                "secagg_max_weight": self.secagg.max_weight, **frozen}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PreflightConfig:
+        frozen = _read(config, "frozen_adapter", str, "")
         if not _read(config, "secure", bool):
-            return cls()
-        return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)))
+            return cls(frozen_adapter=frozen)
+        return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)),
+                   frozen_adapter=frozen)
 
 
 @dataclass(frozen=True)

@@ -189,14 +189,18 @@ class FedProxAdapters(Strategy):
         local_iterations: RL iterations each client runs per round.
         secure_aggregation: the SecAgg+ bounds clients check their update against; None when
             updates travel in the clear.
+        frozen_adapter: the fingerprint of the LoRA A factors frozen under ``model.lora_freeze_a``
+            (``AdapterSet.frozen_fingerprint``), which the preflight asks every client to match;
+            "" when none is frozen.
     """
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
-                 secure_aggregation: SecAggBounds | None = None) -> None:
+                 secure_aggregation: SecAggBounds | None = None, frozen_adapter: str = "") -> None:
         super().__init__()
         self.config = config
         self.local_iterations = local_iterations
         self.secure_aggregation = secure_aggregation
+        self.frozen_adapter = frozen_adapter
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
                         for a in initial_arrays]
         lr, kind = config.effective_server_learning_rate, config.server_optimizer
@@ -379,7 +383,7 @@ class FedProxAdapters(Strategy):
                             client_manager: ClientManager) -> list[tuple[ClientProxy, GetPropertiesIns]]:
         """Every connected client, once the federation is large enough, gets a ``PreflightConfig``."""
         self.wait_for_clients(server_round, client_manager)
-        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation).to_config())
+        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation, self.frozen_adapter).to_config())
         return [(proxy, ins) for proxy in client_manager.all().values()]
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:
