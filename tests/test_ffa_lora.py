@@ -8,17 +8,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from flwr.common import parameters_to_ndarrays
 
 from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
 from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.models import build_models, lora_a_factors, lora_delta_weights
+from flwr_verl.models import build_models, lora_a_factors
 from flwr_verl.protocol import PreflightConfig
 from flwr_verl.strategy import FedProxAdapters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import lora_aggregation  # noqa: E402  (the benchmark's measure is the one tested)
 
 DP = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True}
 
@@ -36,32 +43,15 @@ def one_round(tiny_config, freeze_a: bool) -> SimpleNamespace:
                                   proximal_mu=0.0, secagg=SecAggConfig(enabled=False))
     strategy = FedProxAdapters(federation, initial, local_iterations=2, frozen_adapter=adapters.frozen_fingerprint)
     results, _ = fit_round(strategy, InProcessClients(clients), server_round=1)
-    from flwr.common import parameters_to_ndarrays
-
     updates = [(parameters_to_ndarrays(res.parameters), res.num_examples) for _, res in results]
     return SimpleNamespace(config=config, models=models, adapters=adapters, clients=clients, initial=initial,
                            a_before=a_before, updates=updates, aggregate=strategy.global_arrays)
 
 
 def aggregation_error(run: SimpleNamespace) -> float:
-    """max |Delta W(aggregated adapter) - weighted mean of the clients' Delta W|, relative to the
-    largest entry of that mean (``benchmarks/lora_aggregation.py`` reports the same figure).
-
-    Under FFA-LoRA a client's final A is the shared initial one; under standard LoRA it is the
-    initial A plus the client's update, as for every other array."""
-    total = sum(n for _, n in run.updates)
-    client_deltas = []
-    for update, _ in run.updates:
-        run.adapters.set_arrays([w + u for w, u in zip(run.initial, update)])
-        client_deltas.append(lora_delta_weights(run.models.policy))
-    run.adapters.set_arrays(run.aggregate)
-    aggregated = lora_delta_weights(run.models.policy)
-    worst = scale = 0.0
-    for name, delta in aggregated.items():
-        mean = sum(n / total * d[name].double() for d, (_, n) in zip(client_deltas, run.updates))
-        worst = max(worst, (delta.double() - mean).abs().max().item())
-        scale = max(scale, mean.abs().max().item())
-    return worst / scale
+    """max |Delta W(aggregate) - weighted mean of the clients' Delta W| / max |that mean|."""
+    return lora_aggregation.aggregation_error(run.models.policy, run.adapters, run.initial, run.updates,
+                                              run.aggregate)["max_relative"]
 
 
 @pytest.fixture(scope="module")
