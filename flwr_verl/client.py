@@ -34,7 +34,11 @@ Node config keys read here: ``partition-id`` and ``num-partitions`` (which share
 this node trains on), ``epsilon-budget`` (above), and ``client-id``: the name under which the
 server's privacy ledger keeps this client's accounting (default: the partition id). Set it when
 organisations bring their own data (``partition-id=0 num-partitions=1`` on every node), so that
-their ledgers do not collide.
+their ledgers do not collide. ``local-iterations`` and ``time-budget-s`` limit this node's local
+work per round (``config.LocalBudget``): it runs at most that many of the round's iterations,
+and starts none after that many seconds; it reports (``TrainingSummary.iterations``) and accounts
+for privacy exactly the iterations it ran. Under ``aggregation = "fednova"`` it sends its update
+divided by those iterations (``FitConfig.normalize_update``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context
 from flwr.client import NumPyClient
 
-from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
+from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.data import Row, load_rows
 from flwr_verl.models import Models, build_models, check_lengths
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount, noise_for_target_epsilon, sample_rate
@@ -121,7 +125,7 @@ def summarize_training(iterations: list[dict[str, float]], seconds: float) -> Tr
     return TrainingSummary(
         reward_before=trained[0].get("reward_mean", math.nan), reward_after=trained[-1].get("reward_mean", math.nan),
         reward_mean=mean("reward_mean"), kl=mean("kl"), response_length=mean("response_length"),
-        pg_loss=mean("pg_loss"), time_fit=seconds,
+        pg_loss=mean("pg_loss"), time_fit=seconds, iterations=len(iterations),
         **{f"time_{phase}": float(sum(m.get(f"time_{phase}", 0.0) for m in iterations))
            for phase in ("rollout", "reward", "log_prob", "advantage", "update")},
     )
@@ -136,8 +140,9 @@ class VerlClient(NumPyClient):
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, state: ConfigRecord | None = None,
-                 compute_score=None, client_id: str | None = None) -> None:
+                 compute_score=None, client_id: str | None = None, budget: LocalBudget | None = None) -> None:
         self.config = config
+        self.budget = budget or LocalBudget()
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -183,7 +188,7 @@ class VerlClient(NumPyClient):
         self.adapters.set_arrays(parameters)  # AdapterShapeError names expected and received shapes
         if instructions.fail_partition == self.partition_id:  # fault injection for tests
             raise RuntimeError(f"injected failure in partition {self.partition_id}")
-        iterations = instructions.local_iterations
+        iterations = self.budget.iterations_for(instructions.local_iterations)
         account = self._account(instructions)
         mechanism = self._mechanism(instructions)
         report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=self.client_id,
@@ -205,6 +210,7 @@ class VerlClient(NumPyClient):
             iterations, anchor=parameters[: len(self.trainer.policy_params)], proximal_mu=instructions.proximal_mu,
             noise_multiplier=mechanism.noise_multiplier if mechanism else None,
             seed=self.config.trainer.seed + 100_003 * instructions.server_round + 7919 * self.partition_id,
+            time_budget_s=self.budget.seconds,
         )
         spent = account
         if result.mechanism is not None:  # spent whether or not the update is sent: record it first
@@ -215,6 +221,8 @@ class VerlClient(NumPyClient):
         new = self.adapters.get_arrays()
         update = (exact_update(new, parameters) if instructions.secagg
                   else [n - old for n, old in zip(new, parameters)])
+        if instructions.normalize_update:  # FedNova: the server scales the mean back (strategy.FedProxAdapters)
+            update = [u / result.iterations for u in update]
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
@@ -271,6 +279,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
+    budget = LocalBudget.from_node_config(context.node_config)
     if STATE_KEY not in context.state.config_records:
         context.state.config_records[STATE_KEY] = ConfigRecord()
     return VerlClient(
@@ -278,7 +287,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, state=context.state.config_records[STATE_KEY],
-        client_id=context.node_config.get(NODE_CLIENT_ID),
+        client_id=context.node_config.get(NODE_CLIENT_ID), budget=budget,
     )
 
 

@@ -265,6 +265,35 @@ class TrainerConfig:
         require(self.num_threads >= 1, "trainer.num_threads", self.num_threads, "must be >= 1")
 
 
+@dataclass(frozen=True)
+class LocalBudget:
+    """One node's own limit on its local work per round, from its node config (a small device
+    does less): ``local-iterations`` caps the round's ``trainer.local_iterations``;
+    ``time-budget-s`` starts no new iteration once that many seconds of the fit have passed (at
+    least one iteration always runs). None = no limit. The client reports the iterations it ran
+    and accounts exactly those for privacy."""
+
+    iterations: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        iterations, seconds = self.iterations, self.seconds
+        require(iterations is None or (isinstance(iterations, int) and not isinstance(iterations, bool)
+                                       and iterations >= 1),
+                "node config local-iterations", iterations, "must be an integer >= 1 (omit it for no limit)")
+        require(seconds is None or (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                                    and math.isfinite(seconds) and seconds > 0),
+                "node config time-budget-s", seconds, "must be a number of seconds > 0 (omit it for no limit)")
+
+    @classmethod
+    def from_node_config(cls, node_config: dict[str, Any]) -> LocalBudget:
+        return cls(iterations=node_config.get("local-iterations"), seconds=node_config.get("time-budget-s"))
+
+    def iterations_for(self, requested: int) -> int:
+        """The iterations this node runs of the ``requested`` ones (at most; its time budget may stop it sooner)."""
+        return requested if self.iterations is None else min(requested, self.iterations)
+
+
 @dataclass
 class EngineConfig:
     """Everything one client's local RL engine needs."""
@@ -314,6 +343,7 @@ class EngineConfig:
 # a LoRA adapter, whose round updates are ~1e-2 per coordinate, so it is capped at the top of
 # Reddi et al. (2021)'s server learning rates (1e-3 to 1e-1).
 MAX_SERVER_LEARNING_RATES = {"sgd": 2.0, "momentum": 2.0, "adam": 0.1}
+AGGREGATIONS = ("mean", "fednova")
 
 
 @dataclass
@@ -346,6 +376,11 @@ class FederationConfig:
     server_optimizer: str = "sgd"  # sgd (FedAvg/FedProx), momentum (FedAvgM), adam (FedAdam)
     server_learning_rate: float = 0.0  # 0: the optimizer's default (effective_server_learning_rate)
     server_momentum: float = 0.9
+    # mean: the num_examples-weighted mean of the updates (FedAvg, FedProx). fednova: FedNova's
+    # normalised averaging (Wang et al. 2020), so clients that ran more local iterations do not
+    # dominate: each client divides its update by its iterations, the server scales the mean by
+    # the mean iteration count (strategy.FedProxAdapters).
+    aggregation: str = "mean"
     evaluate_every: int = 1
     save_every: int = 1
     # Deadlines, in seconds: every wait of the server has one, and a message naming who is missing.
@@ -376,6 +411,7 @@ class FederationConfig:
         require(self.server_optimizer in ("sgd", "momentum", "adam"), "server-optimizer", self.server_optimizer,
                 "allowed: sgd, momentum, adam")
         require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
+        require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"allowed: {', '.join(AGGREGATIONS)}")
         largest = MAX_SERVER_LEARNING_RATES[self.server_optimizer]
         require(self.server_learning_rate == 0 or 0 < self.server_learning_rate <= largest, "server-learning-rate",
                 self.server_learning_rate,

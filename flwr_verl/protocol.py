@@ -61,12 +61,16 @@ class FitConfig:
     privacy_account: PrivacyAccount | None = None
     secagg: SecAggBounds | None = None  # None: the update travels in the clear
     fail_partition: int = -1  # fault injection for tests: this partition's fit raises
+    # FedNova (``aggregation = "fednova"``): send the update divided by the iterations run. On the
+    # client, because under SecAgg+ the server sees only the sum.
+    normalize_update: bool = False
 
     def to_config(self) -> dict[str, bool | int | float | str]:
         config: dict[str, bool | int | float | str] = {
             "server_round": self.server_round, "local_iterations": self.local_iterations,
             "planned_iterations": self.planned_iterations, "proximal_mu": self.proximal_mu,
             "fail_partition": self.fail_partition, "secure": self.secagg is not None,
+            "normalize_update": self.normalize_update,
         }
         if self.privacy_account is not None:
             config["privacy_account"] = self.privacy_account.to_json()
@@ -85,6 +89,7 @@ class FitConfig:
             proximal_mu=_read(config, "proximal_mu", float),
             privacy_account=PrivacyAccount.from_json(account) if account is not None else None,
             secagg=secagg, fail_partition=_read(config, "fail_partition", int),
+            normalize_update=_read(config, "normalize_update", bool, False),
         )
 
 
@@ -130,6 +135,7 @@ class TrainingSummary:
     time_log_prob: float
     time_advantage: float
     time_update: float
+    iterations: int  # local iterations actually run: fewer than asked under a node's budget
 
 
 @dataclass(frozen=True)

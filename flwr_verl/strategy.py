@@ -11,7 +11,10 @@ What the server does each round:
    SecAgg+ that mean arrives already aggregated, identical in every ``FitRes``: the server never
    sees one client's update), treat it as a pseudo-gradient and take one server-optimizer step:
    ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM (Hsu et al. 2019), ``adam`` is
-   FedAdam (Reddi et al. 2021), each with its own default learning rate.
+   FedAdam (Reddi et al. 2021), each with its own default learning rate. With
+   ``aggregation = "fednova"`` clients send their update divided by the local iterations they
+   ran and the mean is scaled by the mean iteration count (FedNova, Wang et al. 2020;
+   ``fednova_rescale``), so a client with more iterations does not dominate.
 3. Aggregate the clients' reports: num_examples-weighted means of the training metrics; for
    epsilon the maximum over the whole privacy ledger (every client ever seen), so the
    federation's epsilon never decreases.
@@ -148,6 +151,22 @@ def weighted_mean(pairs: list[tuple[int, float]]) -> float:
         return math.nan
     total = sum(n for n, _ in pairs)
     return sum(n * v for n, v in pairs) / total if total else float(np.mean([v for _, v in pairs]))
+
+
+def fednova_rescale(mean_update: NDArrays, reports: list[tuple[int, FitReport]]) -> NDArrays:
+    """FedNova's server step (Wang et al. 2020, for local SGD): each client i sent its update
+    divided by its local iterations tau_i (``FitConfig.normalize_update``), so the weighted mean
+    is sum_i p_i Delta_i / tau_i, with p_i = n_i / sum n. Scaled by the effective iteration count
+    tau_eff = sum_i p_i tau_i, every client moves the global adapter in proportion to its data,
+    not to its iterations, while the step keeps the size of the clients' mean work. Under SecAgg+
+    the division happens before masking and the server needs only the sum and the iteration
+    counts, which travel in the clear. (With AdamW and FedProx's term locally, tau_i is FedNova's
+    plain-SGD normaliser, an approximation of the paper's a_i for those local optimizers.)"""
+    tau_eff = weighted_mean([(n, float(r.training.iterations)) for n, r in reports if r.training is not None])
+    if not math.isfinite(tau_eff):
+        raise ProtocolError("aggregation='fednova' needs every contributing client's training summary "
+                            "(its local iterations); none was reported")
+    return [u * tau_eff for u in mean_update]
 
 
 def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, PrivacyReport]) -> dict[str, float]:
@@ -295,6 +314,7 @@ class FedProxAdapters(Strategy):
             planned_iterations=self.local_iterations * self.config.num_server_rounds,
             proximal_mu=self.config.proximal_mu, privacy_account=own.account if own else None,
             secagg=self.secure_aggregation, fail_partition=self.config.inject_failure_partition,
+            normalize_update=self.config.aggregation == "fednova",
         )
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -338,6 +358,8 @@ class FedProxAdapters(Strategy):
         else:
             mean_update = aggregate([(parameters_to_ndarrays(res.parameters), res.num_examples)
                                      for _, res, _ in contributing])
+        if self.config.aggregation == "fednova":
+            mean_update = fednova_rescale(mean_update, [(res.num_examples, r) for _, res, r in contributing])
         self._server_step(mean_update)
 
         metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_ledger)
@@ -345,6 +367,8 @@ class FedProxAdapters(Strategy):
         self.completed_round = round_number
         self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
                            "clients": sorted(r.partition_id for _, _, r in contributing),
+                           "iterations": {r.client_id: r.training.iterations for _, _, r in contributing
+                                          if r.training is not None},
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_total")
@@ -352,6 +376,8 @@ class FedProxAdapters(Strategy):
             round_number, metrics.get("reward_before", math.nan), metrics.get("reward_after", math.nan),
             metrics.get("kl", math.nan), "off" if epsilon is None else f"{epsilon:.2f}",
             len(contributing), len(messages), len(refused))
+        log(INFO, "round %s: local iterations per client: %s", round_number,
+            ", ".join(f"{cid} {n}" for cid, n in sorted(self.last_round["iterations"].items())))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
     def _note(self, proxy: ClientProxy, report: FitReport) -> None:

@@ -25,14 +25,15 @@ PRIVACY = PrivacyReport(account=ACCOUNT, epsilon_total=1.5, epsilon_round=0.4, e
                         noise_multiplier=0.8, delta=1e-5)
 TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.375, kl=0.01, response_length=3.5,
                            pg_loss=-0.02, time_fit=1.0, time_rollout=0.2, time_reward=0.01, time_log_prob=0.1,
-                           time_advantage=0.001, time_update=0.5)
+                           time_advantage=0.001, time_update=0.5, iterations=10)
 
 
 @pytest.mark.parametrize("config", [
     FitConfig(server_round=3, local_iterations=10, planned_iterations=80, proximal_mu=0.01),
     FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0, privacy_account=ACCOUNT,
               secagg=SecAggBounds(clipping_range=1.0, max_weight=4096.0), fail_partition=2),
-], ids=["plain", "secure-with-account"])
+    FitConfig(server_round=2, local_iterations=10, planned_iterations=80, proximal_mu=0.0, normalize_update=True),
+], ids=["plain", "secure-with-account", "fednova"])
 def test_fit_config_round_trips_through_flowers_config(config):
     wire = config.to_config()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
