@@ -15,6 +15,7 @@ loopback skips the SuperLink's store-and-forward, which changes times, not messa
 
 from __future__ import annotations
 
+import json
 import tempfile
 import uuid
 from collections import defaultdict
@@ -25,32 +26,23 @@ from types import SimpleNamespace
 from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.task_identity import TaskIdentity
 
-SECAGG_RECORD = "secaggplus_configs"  # flwr.common.secure_aggregation's RECORD_KEY_CONFIGS
+from flwr_verl.wire import stage_of
+from flwr_verl.wire import wire_bytes as transported_bytes
 
 
 def wire_bytes(message: Message) -> tuple[int, int]:
     """Size of ``message`` as Flower's protobuf serde writes it, and as Flower 1.42 actually
-    transports it: the sum of its deflated objects (message, records, array chunks), each pushed
-    to the SuperLink's object store separately."""
-    objects = get_all_nested_objects(message).values()
-    return len(message_to_proto(message).SerializeToString()), sum(len(o.deflate()) for o in objects)
+    transports it (``flwr_verl.wire.wire_bytes``: the sum of its deflated objects, each pushed
+    to the SuperLink's object store separately)."""
+    return len(message_to_proto(message).SerializeToString()), transported_bytes(message)
 
 
 def over_the_wire(message: Message) -> Message:
     """The copy the other side gets: serialized and parsed again (the workflow sends one content
     object to several nodes, and SecAgg+'s mod changes what it receives)."""
     return message_from_proto(message_to_proto(message))
-
-
-def stage_of(message: Message) -> str:
-    """``fit``/``evaluate`` in the clear, else the SecAgg+ stage the message belongs to."""
-    if message.metadata.message_type.startswith("evaluate"):
-        return "evaluate"
-    config = message.content.config_records.get(SECAGG_RECORD)
-    return f"secagg_{config['stage']}" if config and "stage" in config else "fit"
 
 
 class LoopbackGrid(Grid):
@@ -101,8 +93,10 @@ class LoopbackGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str], list[tuple[int, int]]]:
-    """Run the app's server and clients over a ``LoopbackGrid``; return its traffic record."""
+def measure_wire(run_config: dict, num_clients: int) -> tuple[dict[tuple[int, str, str], list[tuple[int, int]]],
+                                                                 list[dict]]:
+    """Run the app's server and clients over a ``LoopbackGrid``; return its traffic record and
+    the run's ``metrics.jsonl`` records (whose ``wire`` entries the server measured itself)."""
     from apps.client_app import app as client_app
     from flwr_verl.server import run_server
 
@@ -113,13 +107,14 @@ def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str
                                   node_config={"partition-id": node - 1, "num-partitions": num_clients})
                     for node in range(1, num_clients + 1)}
         grid = LoopbackGrid(client_app, contexts)
-        run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))
-    return dict(grid.traffic)
+        run = run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return dict(grid.traffic), records
 
 
 def bytes_per_message(traffic: dict[tuple[int, str, str], list[tuple[int, int]]]) -> dict[str, dict[str, dict]]:
     """Serialized bytes of one client's message in the last round, mean over clients, by
-    direction and stage: ``{"up": {"fit": {"protobuf": b, "objects": b}}}``. Every fit stage sends
+    direction and stage: ``{"up": {"train": {"protobuf": b, "objects": b}}}``. Every fit stage sends
     one message per client per round, so this is also bytes per client per round. The last round,
     because in round 1 the global LoRA B matrices are all zero, and identical arrays are one
     object in Flower's object store."""
