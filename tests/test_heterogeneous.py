@@ -128,3 +128,28 @@ def test_fednova_weighs_clients_by_data_not_by_iterations(aggregation):
         np.testing.assert_allclose(new, [0.5, 2.0])  # the client with 4 iterations dominates
     else:
         np.testing.assert_allclose(new, 2.5 * (g1 + g2) / 2)  # tau_eff = 2.5, equal directions
+
+
+def test_a_straggler_that_misses_the_fit_deadline_is_dropped_and_the_round_completes():
+    """Node 3 answers no fit before ``fit-timeout`` (its reply never arrives): the round goes on
+    with the other two, names the node among its failures, and the run ends normally."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from federation_wire import LoopbackGrid, measure_wire
+
+    class StragglerGrid(LoopbackGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            return [r for r in replies if not (r.metadata.src_node_id == 3 and r.metadata.message_type == "train")]
+
+    run = {"num-server-rounds": 1, "min-fit-clients": 3, "min-evaluate-clients": 2, "min-available-clients": 3,
+           "evaluate-every": 0, "fit-timeout": 5.0, "secagg.enabled": False, "data.train_size": 32,
+           "data.val_size": 8, "data.train_batch_size": 8, "rollout.n": 2, "rollout.response_length": 6,
+           "actor.ppo_mini_batch_size": 4, "trainer.local_iterations": 1, "privacy.enabled": False}
+    _, records = measure_wire(run, num_clients=3, grid_class=StragglerGrid)
+    (record,) = records
+    assert record["round"] == 1 and record["clients"] == [0, 1]
+    assert record["failures"] == ["NoReply: node 3 sent no train reply within 5 s"]
+    assert set(record["iterations"]) == {"0", "1"}
