@@ -158,7 +158,8 @@ def main() -> None:
         config = {**TINY_RUN, **option}
         params = build_models(parse_run_config(config).engine.model, with_critic=False).adapters.num_parameters()
         per_message = bytes_per_message(measure_wire(config, num_clients=3)[0])
-        totals = {d: sum(s["objects"] for s in stages.values()) for d, stages in per_message.items()}
+        totals = {d: sum(s["objects"] for name, s in stages.items() if name != "get_properties")  # once a run
+                  for d, stages in per_message.items()}
         results[name] = {"adapter_parameters_sent": params, "per_message": per_message, "per_round": totals,
                          "per_round_per_parameter": {d: b / params for d, b in totals.items()}}
         stages = ", ".join(f"{d} {s} {v['objects']:.0f}" for d, st in per_message.items() for s, v in st.items())
