@@ -160,7 +160,8 @@ def fednova_rescale(mean_update: NDArrays, reports: list[tuple[int, FitReport]])
     tau_eff = sum_i p_i tau_i, every client moves the global adapter in proportion to its data,
     not to its iterations, while the step keeps the size of the clients' mean work. Under SecAgg+
     the division happens before masking and the server needs only the sum and the iteration
-    counts, which travel in the clear. (With AdamW and FedProx's term locally, tau_i is FedNova's
+    counts, which travel in the clear; SecAgg+'s rounding error is scaled by tau_eff with the
+    mean. (With AdamW and FedProx's term locally, tau_i is FedNova's
     plain-SGD normaliser, an approximation of the paper's a_i for those local optimizers.)"""
     tau_eff = weighted_mean([(n, float(r.training.iterations)) for n, r in reports if r.training is not None])
     if not math.isfinite(tau_eff):
