@@ -211,7 +211,7 @@ def wire(lr: float) -> dict:
     out = {"model_fp32_bytes": model_bytes, "adapter_parameters": adapter_params}
     for secagg in (False, True):
         per_message = bytes_per_message(measure_wire(
-            run_config(2, 0, lr, **{"secagg.enabled": secagg, "evaluate-every": 0}), CLIENTS))
+            run_config(2, 0, lr, **{"secagg.enabled": secagg, "evaluate-every": 0}), CLIENTS)[0])
         totals = {d: sum(s["protobuf"] for s in stages.values()) for d, stages in per_message.items()}
         out["secagg" if secagg else "plain"] = {
             "per_message": per_message, "per_round": totals,

@@ -9,12 +9,15 @@ receives or sends for it, and counted per node, direction and protocol stage. No
 estimated: under SecAgg+ the masked int64 vectors, public keys and encrypted shares are the
 ones the protocol produced.
 
+    python benchmarks/federation_wire.py [--out DIR]   # each option, bytes per client per round
+
 Real Flower adds framing (gRPC headers, TLS records) of a few dozen bytes per message; the
 loopback skips the SuperLink's store-and-forward, which changes times, not message contents.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import uuid
 from collections import defaultdict
@@ -25,32 +28,23 @@ from types import SimpleNamespace
 from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.task_identity import TaskIdentity
 
-SECAGG_RECORD = "secaggplus_configs"  # flwr.common.secure_aggregation's RECORD_KEY_CONFIGS
+from flwr_verl.wire import stage_of
+from flwr_verl.wire import wire_bytes as transported_bytes
 
 
 def wire_bytes(message: Message) -> tuple[int, int]:
     """Size of ``message`` as Flower's protobuf serde writes it, and as Flower 1.42 actually
-    transports it: the sum of its deflated objects (message, records, array chunks), each pushed
-    to the SuperLink's object store separately."""
-    objects = get_all_nested_objects(message).values()
-    return len(message_to_proto(message).SerializeToString()), sum(len(o.deflate()) for o in objects)
+    transports it (``flwr_verl.wire.wire_bytes``: the sum of its deflated objects, each pushed
+    to the SuperLink's object store separately)."""
+    return len(message_to_proto(message).SerializeToString()), transported_bytes(message)
 
 
 def over_the_wire(message: Message) -> Message:
     """The copy the other side gets: serialized and parsed again (the workflow sends one content
     object to several nodes, and SecAgg+'s mod changes what it receives)."""
     return message_from_proto(message_to_proto(message))
-
-
-def stage_of(message: Message) -> str:
-    """``fit``/``evaluate`` in the clear, else the SecAgg+ stage the message belongs to."""
-    if message.metadata.message_type.startswith("evaluate"):
-        return "evaluate"
-    config = message.content.config_records.get(SECAGG_RECORD)
-    return f"secagg_{config['stage']}" if config and "stage" in config else "fit"
 
 
 class LoopbackGrid(Grid):
@@ -101,8 +95,10 @@ class LoopbackGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str], list[tuple[int, int]]]:
-    """Run the app's server and clients over a ``LoopbackGrid``; return its traffic record."""
+def measure_wire(run_config: dict, num_clients: int, grid_class: type[LoopbackGrid] = LoopbackGrid,
+                 ) -> tuple[dict[tuple[int, str, str], list[tuple[int, int]]], list[dict]]:
+    """Run the app's server and clients over a ``grid_class`` grid; return its traffic record and
+    the run's ``metrics.jsonl`` records (whose ``wire`` entries the server measured itself)."""
     from apps.client_app import app as client_app
     from flwr_verl.server import run_server
 
@@ -113,14 +109,15 @@ def measure_wire(run_config: dict, num_clients: int) -> dict[tuple[int, str, str
                                   node_config={"partition-id": node - 1, "num-partitions": num_clients,
                                                "privacy-ledger": str(Path(tmp) / "ledger.sqlite")})
                     for node in range(1, num_clients + 1)}
-        grid = LoopbackGrid(client_app, contexts)
-        run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))
-    return dict(grid.traffic)
+        grid = grid_class(client_app, contexts)
+        run = run_server(grid, Context(run_id=1, node_id=0, state=RecordDict(), run_config=config, node_config={}))
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return dict(grid.traffic), records
 
 
 def bytes_per_message(traffic: dict[tuple[int, str, str], list[tuple[int, int]]]) -> dict[str, dict[str, dict]]:
     """Serialized bytes of one client's message in the last round, mean over clients, by
-    direction and stage: ``{"up": {"fit": {"protobuf": b, "objects": b}}}``. Every fit stage sends
+    direction and stage: ``{"up": {"train": {"protobuf": b, "objects": b}}}``. Every fit stage sends
     one message per client per round, so this is also bytes per client per round. The last round,
     because in round 1 the global LoRA B matrices are all zero, and identical arrays are one
     object in Flower's object store."""
@@ -132,3 +129,49 @@ def bytes_per_message(traffic: dict[tuple[int, str, str], list[tuple[int, int]]]
         out[direction][stage] = {"protobuf": sum(p for p, _ in sizes) / len(sizes),
                                  "objects": sum(o for _, o in sizes) / len(sizes)}
     return dict(out)
+
+
+# Each option on the tiny engine, 2 rounds (the last is measured: see ``bytes_per_message``).
+OPTIONS = {
+    "plain": {"secagg.enabled": False},
+    "plain_ffa_lora": {"secagg.enabled": False, "model.lora_freeze_a": True},
+    "secagg": {"secagg.enabled": True},
+    "secagg_ffa_lora": {"secagg.enabled": True, "model.lora_freeze_a": True},
+}
+TINY_RUN = {"num-server-rounds": 2, "min-fit-clients": 3, "min-evaluate-clients": 3, "min-available-clients": 3,
+            "evaluate-every": 0, "data.train_size": 32, "data.val_size": 8, "data.train_batch_size": 8,
+            "rollout.n": 2, "rollout.response_length": 6, "actor.ppo_mini_batch_size": 4,
+            "trainer.local_iterations": 1, "privacy.enabled": False}
+
+
+def main() -> None:
+    """Bytes per client per round, each option, by direction and stage, and per adapter parameter."""
+    import argparse
+
+    from flwr_verl.config import parse_run_config
+    from flwr_verl.models import build_models
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    results = {}
+    for name, option in OPTIONS.items():
+        config = {**TINY_RUN, **option}
+        params = build_models(parse_run_config(config).engine.model, with_critic=False).adapters.num_parameters()
+        per_message = bytes_per_message(measure_wire(config, num_clients=3)[0])
+        totals = {d: sum(s["objects"] for name, s in stages.items() if name != "get_properties")  # once a run
+                  for d, stages in per_message.items()}
+        results[name] = {"adapter_parameters_sent": params, "per_message": per_message, "per_round": totals,
+                         "per_round_per_parameter": {d: b / params for d, b in totals.items()}}
+        stages = ", ".join(f"{d} {s} {v['objects']:.0f}" for d, st in per_message.items() for s, v in st.items())
+        print(f"{name:16s} {params} parameters; per client per round: up {totals['up']:.0f} B "
+              f"({totals['up'] / params:.2f} B/param), down {totals['down']:.0f} B "
+              f"({totals['down'] / params:.2f} B/param); {stages}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "federation_wire.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -42,6 +42,13 @@ partition id); the server keys what it keeps per client by Flower's node id, nev
 ``reward-model-path``: this node's own reward model, in place of the run config's
 ``reward_model.model.path`` when ``reward_model.enable`` is on; it is loaded here and never
 leaves the node (``flwr_verl.reward_model``).
+``local-iterations`` and ``time-budget-s`` limit this node's local work per round
+(``config.LocalBudget``): it runs at most that many of the round's iterations, and starts none
+after that many seconds; it reports the iterations it ran (``FitReport.iterations``). The
+ledger records the capped count before training, so ``local-iterations`` is accounted exactly,
+and a fit that ``time-budget-s`` stops sooner is over-counted, never under-counted. Under
+``aggregation = "fednova"`` it sends its update divided by the iterations it ran
+(``FitConfig.normalize_update``).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import numpy as np
 from flwr.app import Context
 from flwr.client import NumPyClient
 
-from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError
+from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.data import Row
 from flwr_verl.ledger import (
     IN_MEMORY,
@@ -188,8 +195,10 @@ class VerlClient(NumPyClient):
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
                  client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local",
-                 reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY) -> None:
+                 reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY,
+                 budget: LocalBudget | None = None) -> None:
         self.config = config
+        self.budget = budget or LocalBudget()
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -234,6 +243,12 @@ class VerlClient(NumPyClient):
                               f"{len(self.train_rows)} training prompts (weight {weight} with privacy.num_examples="
                               f"{self.config.privacy.num_examples!r}), and SecAgg+ would overflow a larger weight; "
                               "raise secagg.max-weight to at least every client's weight")
+        if instructions.frozen_adapter != self.adapters.frozen_fingerprint:
+            raise ConfigError(
+                f"model.lora_freeze_a={self.config.model.lora_freeze_a}: this client's frozen LoRA A factors "
+                f"(sha256 {self.adapters.frozen_fingerprint[:16] or 'none'}) differ from the server's "
+                f"({instructions.frozen_adapter[:16] or 'none'}). They never travel, so every node must build "
+                "them alike: the same model.path, trainer.seed and library versions (torch, transformers, peft)")
         return {"status": STATUS_OK}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
@@ -242,7 +257,7 @@ class VerlClient(NumPyClient):
         self.adapters.set_arrays(parameters)  # AdapterShapeError names expected and received shapes
         if instructions.fail_partition == self.partition_id:  # fault injection for tests
             raise RuntimeError(f"injected failure in partition {self.partition_id}")
-        iterations = instructions.local_iterations
+        iterations = self.budget.iterations_for(instructions.local_iterations)
         mechanism = self._mechanism(instructions)
         report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=self.client_id,
                            bytes_received=_nbytes(parameters), bytes_sent=0)
@@ -268,15 +283,19 @@ class VerlClient(NumPyClient):
             iterations, anchor=parameters[: len(self.trainer.policy_params)], proximal_mu=instructions.proximal_mu,
             noise_multiplier=mechanism.noise_multiplier if mechanism else None,
             seed=self.config.trainer.seed + 100_003 * instructions.server_round + 7919 * self.partition_id,
+            time_budget_s=self.budget.seconds,
         )
-        if mechanism is not None and (result.mechanism, result.iterations) != (mechanism, iterations):
-            raise LedgerError(f"the fit spent {result.iterations} x {result.mechanism}, not the {iterations} x "
+        # A time budget may stop the fit sooner: the ledger then over-counts, which is safe.
+        if mechanism is not None and (result.mechanism != mechanism or result.iterations > iterations):
+            raise LedgerError(f"the fit spent {result.iterations} x {result.mechanism}, more than the {iterations} x "
                               f"{mechanism} the ledger recorded; not sent")
         # SecAgg+ quantizes in the dtype it receives: float64 keeps its 2e-9 steps (float32 alone
         # would cost ~1e-7), at no cost on the wire, where masked int64 vectors travel either way.
         new = self.adapters.get_arrays()
         update = (exact_update(new, parameters) if instructions.secagg
                   else [n - old for n, old in zip(new, parameters)])
+        if instructions.normalize_update:  # FedNova: the server scales the mean back (strategy.FedProxAdapters)
+            update = [u / result.iterations for u in update]
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
@@ -286,7 +305,7 @@ class VerlClient(NumPyClient):
         elif instructions.secagg:
             check_update(update, weight, instructions.secagg.clipping_range, instructions.secagg.max_weight)
         report = dataclasses.replace(
-            report, bytes_sent=_nbytes(update),
+            report, bytes_sent=_nbytes(update), iterations=result.iterations,
             privacy=self._privacy_report(spend.before, spend.after, mechanism, iterations) if spend else None,
             training=(summarize_training(result.metrics, time.perf_counter() - start)
                       if self.config.privacy.sent_metrics == "clear" else None),
@@ -352,13 +371,14 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
     config, reward_model_key = with_node_reward_model(config, context.node_config.get(NODE_REWARD_MODEL_PATH))
+    budget = LocalBudget.from_node_config(context.node_config)
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
         ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
-        reward_model_key=reward_model_key,
+        reward_model_key=reward_model_key, budget=budget,
     )
 
 

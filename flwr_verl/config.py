@@ -52,7 +52,15 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
 # ----------------------------------------------------------------------------- engine
 @dataclass
 class ModelConfig:
-    """Base model and LoRA adapters. An empty ``path`` selects the embedded default model."""
+    """Base model and LoRA adapters. An empty ``path`` selects the embedded default model.
+
+    ``lora_freeze_a``: FFA-LoRA (Sun et al., ICLR 2024). Every LoRA A stays at the seeded
+    initialisation that the server and every client build alike; only B trains and travels. The
+    update of W = W0 + (alpha/r) B A is then linear in B, so averaging B averages the clients'
+    effective weight updates exactly (averaging A and B separately does not:
+    mean(B) mean(A) != mean(B A)), half the adapter travels, and DP noise enters through one
+    factor only.
+    """
 
     path: str = ""
     lora_rank: int = 8
@@ -61,6 +69,7 @@ class ModelConfig:
     target_modules: str = "all-linear"  # comma-separated module names, or PEFT's "all-linear"
     dtype: str = "float32"
     device: str = "auto"
+    lora_freeze_a: bool = False
 
     def __post_init__(self) -> None:
         if self.path:
@@ -339,6 +348,35 @@ class TrainerConfig:
 STAGES = ("policy", "reward_model")
 
 
+@dataclass(frozen=True)
+class LocalBudget:
+    """One node's own limit on its local work per round, from its node config (a small device
+    does less): ``local-iterations`` caps the round's ``trainer.local_iterations``;
+    ``time-budget-s`` starts no new iteration once that many seconds of the fit have passed (at
+    least one iteration always runs). None = no limit. The client reports the iterations it ran
+    and accounts exactly those for privacy."""
+
+    iterations: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        iterations, seconds = self.iterations, self.seconds
+        require(iterations is None or (isinstance(iterations, int) and not isinstance(iterations, bool)
+                                       and iterations >= 1),
+                "node config local-iterations", iterations, "must be an integer >= 1 (omit it for no limit)")
+        require(seconds is None or (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                                    and math.isfinite(seconds) and seconds > 0),
+                "node config time-budget-s", seconds, "must be a number of seconds > 0 (omit it for no limit)")
+
+    @classmethod
+    def from_node_config(cls, node_config: dict[str, Any]) -> LocalBudget:
+        return cls(iterations=node_config.get("local-iterations"), seconds=node_config.get("time-budget-s"))
+
+    def iterations_for(self, requested: int) -> int:
+        """The iterations this node runs of the ``requested`` ones (at most; its time budget may stop it sooner)."""
+        return requested if self.iterations is None else min(requested, self.iterations)
+
+
 @dataclass
 class EngineConfig:
     """Everything one client's local RL engine needs. ``stage`` picks the local objective; under
@@ -395,6 +433,7 @@ class EngineConfig:
 # a LoRA adapter, whose round updates are ~1e-2 per coordinate, so it is capped at the top of
 # Reddi et al. (2021)'s server learning rates (1e-3 to 1e-1).
 MAX_SERVER_LEARNING_RATES = {"sgd": 2.0, "momentum": 2.0, "adam": 0.1}
+AGGREGATIONS = ("mean", "fednova")
 
 
 @dataclass
@@ -427,6 +466,11 @@ class FederationConfig:
     server_optimizer: str = "sgd"  # sgd (FedAvg/FedProx), momentum (FedAvgM), adam (FedAdam)
     server_learning_rate: float = 0.0  # 0: the optimizer's default (effective_server_learning_rate)
     server_momentum: float = 0.9
+    # mean: the num_examples-weighted mean of the updates (FedAvg, FedProx). fednova: FedNova's
+    # normalised averaging (Wang et al. 2020), so clients that ran more local iterations do not
+    # dominate: each client divides its update by its iterations, the server scales the mean by
+    # the mean iteration count (strategy.FedProxAdapters).
+    aggregation: str = "mean"
     evaluate_every: int = 1
     save_every: int = 1
     # Deadlines, in seconds: every wait of the server has one, and a message naming who is missing.
@@ -457,6 +501,7 @@ class FederationConfig:
         require(self.server_optimizer in ("sgd", "momentum", "adam"), "server-optimizer", self.server_optimizer,
                 "allowed: sgd, momentum, adam")
         require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
+        require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"allowed: {', '.join(AGGREGATIONS)}")
         largest = MAX_SERVER_LEARNING_RATES[self.server_optimizer]
         require(self.server_learning_rate == 0 or 0 < self.server_learning_rate <= largest, "server-learning-rate",
                 self.server_learning_rate,

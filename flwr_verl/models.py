@@ -12,6 +12,7 @@ positions (``check_lengths``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +97,52 @@ def check_target_modules(config: ModelConfig, base: torch.nn.Module) -> None:
 def _adapted(base: torch.nn.Module, config: ModelConfig, lora: LoraConfig) -> PeftModel:
     check_target_modules(config, base)
     try:
-        return get_peft_model(base, lora)
+        model = get_peft_model(base, lora)
     except ValueError as error:
         raise ModelLoadError(f"model.target_modules={config.target_modules!r}: {error}") from error
+    if config.lora_freeze_a:
+        freeze_lora_a(model)
+    return model
+
+
+def freeze_lora_a(model: PeftModel) -> None:
+    """FFA-LoRA: freeze every LoRA A factor, through PEFT's own registry of adapter weights that
+    stay frozen (which MiCA uses for B): PEFT re-enables gradients of all adapter weights
+    whenever an adapter is switched back on, as after every ``disable_adapter()`` block (the
+    reference log-probs), and skips the registered ones."""
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from peft.tuners.lora.variants import _register_frozen_peft_weight
+    except ImportError as error:
+        import peft
+
+        raise ModelLoadError(f"model.lora_freeze_a=true needs peft >= 0.20 (installed: {peft.__version__})") from error
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for factor in ("lora_A", "lora_embedding_A"):
+                for adapter in getattr(module, factor):
+                    _register_frozen_peft_weight(module, adapter, factor)
+
+
+def lora_a_factors(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The A factor of every LoRA layer (PEFT's ``lora_A`` / ``lora_embedding_A``), in
+    ``named_parameters()`` order. Under ``model.lora_freeze_a`` (FFA-LoRA) these stay frozen at
+    their seeded initialisation, so they are no part of the adapter that travels."""
+    return [(name, param) for name, param in model.named_parameters()
+            if ".lora_A." in name or ".lora_embedding_A." in name]
+
+
+def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The effective weight update of every LoRA layer, Delta W = (alpha / r) * B @ A (PEFT's
+    own ``get_delta_weight``, float32 for float32 weights), keyed by module name. What merging
+    the adapter would add to each base weight; used to measure how exactly an aggregated
+    adapter represents the clients' mean update."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module.get_delta_weight(adapter).detach()
+            for name, module in model.named_modules() if isinstance(module, LoraLayer)
+            for adapter in module.active_adapters if adapter in module.lora_A}
 
 
 def _dtype(config: ModelConfig) -> torch.dtype:
@@ -236,6 +280,20 @@ class AdapterSet:
 
     def num_parameters(self) -> int:
         return sum(param.numel() for param in self.parameters)
+
+    @property
+    def frozen_fingerprint(self) -> str:
+        """sha256 of the frozen LoRA A factors (FFA-LoRA; "" when none is frozen). They never
+        travel, so the server and every client must have built the same ones: the preflight
+        compares this fingerprint."""
+        frozen = [param for model in self.models.values() for _, param in lora_a_factors(model)
+                  if not param.requires_grad]
+        if not frozen:
+            return ""
+        digest = hashlib.sha256()
+        for param in frozen:
+            digest.update(param.detach().to("cpu", torch.float32).numpy().tobytes())
+        return digest.hexdigest()
 
     def save(self, directory: Path) -> None:
         """One standard PEFT adapter directory per model (``policy/``, ``critic/``)."""

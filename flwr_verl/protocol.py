@@ -71,12 +71,16 @@ class FitConfig:
     secagg: SecAggBounds | None = None  # None: the update travels in the clear
     fail_partition: int = -1  # fault injection for tests: this partition's fit raises
     client_level: ClientLevelRound | None = None  # None: no client-level DP
+    # FedNova (``aggregation = "fednova"``): send the update divided by the iterations run. On the
+    # client, because under SecAgg+ the server sees only the sum.
+    normalize_update: bool = False
 
     def to_config(self) -> dict[str, bool | int | float | str]:
         config: dict[str, bool | int | float | str] = {
             "server_round": self.server_round, "local_iterations": self.local_iterations,
             "planned_iterations": self.planned_iterations, "proximal_mu": self.proximal_mu,
             "fail_partition": self.fail_partition, "secure": self.secagg is not None,
+            "normalize_update": self.normalize_update,
         }
         if self.secagg is not None:
             config.update(secagg_clipping_range=self.secagg.clipping_range, secagg_max_weight=self.secagg.max_weight)
@@ -97,6 +101,7 @@ class FitConfig:
             client_level=ClientLevelRound(_read(config, "client_level_num_clients", int),
                                           _read(config, "client_level_threshold", int))
             if "client_level_num_clients" in config else None,
+            normalize_update=_read(config, "normalize_update", bool, False),
         )
 
 
@@ -106,18 +111,24 @@ class PreflightConfig:
     against your own data (model, data, reward function, batch sizes, SecAgg+ bounds) now."""
 
     secagg: SecAggBounds | None = None
+    # The server's ``AdapterSet.frozen_fingerprint`` (model.lora_freeze_a): the frozen LoRA A
+    # factors never travel, so a client must hold the same ones. "" when none is frozen.
+    frozen_adapter: str = ""
 
     def to_config(self) -> dict[str, bool | int | float | str]:
+        frozen = {"frozen_adapter": self.frozen_adapter} if self.frozen_adapter else {}
         if self.secagg is None:
-            return {"secure": False}
+            return {"secure": False, **frozen}
         return {"secure": True, "secagg_clipping_range": self.secagg.clipping_range,
-                "secagg_max_weight": self.secagg.max_weight}
+                "secagg_max_weight": self.secagg.max_weight, **frozen}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PreflightConfig:
+        frozen = _read(config, "frozen_adapter", str, "")
         if not _read(config, "secure", bool):
-            return cls()
-        return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)))
+            return cls(frozen_adapter=frozen)
+        return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)),
+                   frozen_adapter=frozen)
 
 
 @dataclass(frozen=True)
@@ -170,13 +181,16 @@ class FitReport:
     client_id: str
     bytes_received: int
     bytes_sent: int
+    # Local iterations actually run (fewer than asked under a node's budget; 0 when refused). Sent
+    # whatever ``privacy.metrics`` says: FedNova's rescaling and the round log need it.
+    iterations: int = 0
     privacy: PrivacyReport | None = None  # None without DP
     training: TrainingSummary | None = None  # None when the client refused the round
 
     def to_metrics(self) -> dict[str, bool | int | float | str]:
         metrics: dict[str, bool | int | float | str] = {
             "status": self.status, "partition_id": self.partition_id, "client_id": self.client_id,
-            "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent, "iterations": self.iterations,
         }
         if self.privacy is not None:
             metrics.update({f"privacy.{k}": v for k, v in self.privacy.to_json_dict().items()})
@@ -197,7 +211,8 @@ class FitReport:
             training = TrainingSummary(**_read_fields(TrainingSummary, metrics, "training."))
         return cls(status=status, partition_id=_read(metrics, "partition_id", int),
                    client_id=_read(metrics, "client_id", str), bytes_received=_read(metrics, "bytes_received", int),
-                   bytes_sent=_read(metrics, "bytes_sent", int), privacy=privacy, training=training)
+                   bytes_sent=_read(metrics, "bytes_sent", int), iterations=_read(metrics, "iterations", int),
+                   privacy=privacy, training=training)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ What the server does each round:
    SecAgg+ that mean arrives already aggregated, identical in every ``FitRes``: the server never
    sees one client's update), treat it as a pseudo-gradient and take one server-optimizer step:
    ``sgd`` with lr 1 is FedAvg/FedProx, ``momentum`` is FedAvgM (Hsu et al. 2019), ``adam`` is
-   FedAdam (Reddi et al. 2021), each with its own default learning rate.
+   FedAdam (Reddi et al. 2021), each with its own default learning rate. With
+   ``aggregation = "fednova"`` clients send their update divided by the local iterations they
+   ran and the mean is scaled by the mean iteration count (FedNova, Wang et al. 2020;
+   ``fednova_rescale``), so a client with more iterations does not dominate.
 3. Aggregate the clients' reports: num_examples-weighted means of the training metrics (when
    clients send them: ``privacy.metrics``); for epsilon the maximum over every client's latest
    privacy report (every client ever seen), so the federation's epsilon never decreases. These
@@ -155,8 +158,26 @@ def weighted_mean(pairs: list[tuple[int, float]]) -> float:
     return sum(n * v for n, v in pairs) / total if total else float(np.mean([v for _, v in pairs]))
 
 
+def fednova_rescale(mean_update: NDArrays, reports: list[tuple[int, FitReport]]) -> NDArrays:
+    """FedNova's server step (Wang et al. 2020, for local SGD): each client i sent its update
+    divided by its local iterations tau_i (``FitConfig.normalize_update``), so the weighted mean
+    is sum_i p_i Delta_i / tau_i, with p_i = n_i / sum n. Scaled by the effective iteration count
+    tau_eff = sum_i p_i tau_i, every client moves the global adapter in proportion to its data,
+    not to its iterations, while the step keeps the size of the clients' mean work. Under SecAgg+
+    the division happens before masking and the server needs only the sum and the iteration
+    counts, which travel in the clear; SecAgg+'s rounding error is scaled by tau_eff with the
+    mean. (With AdamW and FedProx's term locally, tau_i is FedNova's
+    plain-SGD normaliser, an approximation of the paper's a_i for those local optimizers.)"""
+    tau_eff = weighted_mean([(n, float(r.iterations)) for n, r in reports])
+    if not math.isfinite(tau_eff) or tau_eff <= 0:
+        raise ProtocolError(f"aggregation='fednova' needs the contributing clients' local iterations; "
+                            f"their weighted mean is {tau_eff}")
+    return [u * tau_eff for u in mean_update]
+
+
 def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, PrivacyReport]) -> dict[str, float]:
-    """A round's fit metrics: weighted means of the training summaries, byte sums, and epsilon.
+    """A round's fit metrics: weighted means of the training summaries and of the local
+    iterations run, byte sums, and epsilon.
 
     ``epsilon_total`` is the maximum over the whole ``ledger`` (every client seen so far, not
     only this round's): the federation is as private as its least private client, and that
@@ -166,6 +187,7 @@ def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, Privac
     out: dict[str, float] = {
         "bytes_received": float(sum(r.bytes_received for _, r in reports)),
         "bytes_sent": float(sum(r.bytes_sent for _, r in reports)),
+        "iterations": weighted_mean([(n, float(r.iterations)) for n, r in reports]),
     }
     trained = [(n, r.training) for n, r in reports if r.training is not None]
     for name in (f.name for f in dataclasses.fields(TrainingSummary)) if trained else ():
@@ -199,11 +221,14 @@ class FedProxAdapters(Strategy):
             SecAgg+'s reconstruction threshold, decodes the secure sum of their noisy integers
             (the only aggregate it ever holds), and accounts the round's client-level epsilon at
             the sampling rate sampled / eligible clients; None: off.
+        frozen_adapter: the fingerprint of the LoRA A factors frozen under ``model.lora_freeze_a``
+            (``AdapterSet.frozen_fingerprint``), which the preflight asks every client to match;
+            "" when none is frozen.
     """
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
                  secure_aggregation: SecAggBounds | None = None,
-                 client_level: ClientLevelConfig | None = None) -> None:
+                 client_level: ClientLevelConfig | None = None, frozen_adapter: str = "") -> None:
         super().__init__()
         if client_level is not None and secure_aggregation is None:
             raise ConfigError("privacy.client_level.enabled=true needs secagg.enabled=true: without SecAgg+ the "
@@ -214,6 +239,7 @@ class FedProxAdapters(Strategy):
         self._round_plan: tuple[SkellamPlan, float] | None = None  # this round's plan and sampling rate
         self.local_iterations = local_iterations
         self.secure_aggregation = secure_aggregation
+        self.frozen_adapter = frozen_adapter
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
                         for a in initial_arrays]
         lr, kind = config.effective_server_learning_rate, config.server_optimizer
@@ -315,6 +341,7 @@ class FedProxAdapters(Strategy):
             fail_partition=self.config.inject_failure_partition,
             client_level=ClientLevelRound(self._round_plan[0].num_clients, self._round_plan[0].threshold)
             if self.client_level is not None else None,
+            normalize_update=self.config.aggregation == "fednova",
         )
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
@@ -366,6 +393,8 @@ class FedProxAdapters(Strategy):
         else:
             mean_update = aggregate([(parameters_to_ndarrays(res.parameters), res.num_examples)
                                      for _, res, _ in contributing])
+        if self.config.aggregation == "fednova":
+            mean_update = fednova_rescale(mean_update, [(res.num_examples, r) for _, res, r in contributing])
         self._server_step(mean_update)
 
         metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_ledger)
@@ -378,6 +407,7 @@ class FedProxAdapters(Strategy):
         self.completed_round = round_number
         self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
                            "clients": sorted(r.partition_id for _, _, r in contributing),
+                           "iterations": {r.client_id: r.iterations for _, _, r in contributing},
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_total")
@@ -385,6 +415,8 @@ class FedProxAdapters(Strategy):
                     if "reward_before" in metrics else "training metrics not sent")
         log(INFO, "round %s: %s, epsilon %s, %s clients, %s failed, %s refused", round_number, training,
             "off" if epsilon is None else f"{epsilon:.2f}", len(contributing), len(messages), len(refused))
+        log(INFO, "round %s: local iterations per client: %s", round_number,
+            ", ".join(f"{cid} {n}" for cid, n in sorted(self.last_round["iterations"].items())))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
     def _note(self, proxy: ClientProxy, report: FitReport) -> None:
@@ -416,7 +448,7 @@ class FedProxAdapters(Strategy):
                             client_manager: ClientManager) -> list[tuple[ClientProxy, GetPropertiesIns]]:
         """Every connected client, once the federation is large enough, gets a ``PreflightConfig``."""
         self.wait_for_clients(server_round, client_manager)
-        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation).to_config())
+        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation, self.frozen_adapter).to_config())
         return [(proxy, ins) for proxy in client_manager.all().values()]
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:

@@ -180,11 +180,17 @@ class LocalPPOTrainer:
 
     # ------------------------------------------------------------------ public API
     def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
-            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0) -> FitResult:
-        """Run ``iterations`` RL iterations (arguments as in ``start_fit``)."""
+            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0,
+            time_budget_s: float | None = None) -> FitResult:
+        """Run ``iterations`` RL iterations (other arguments as in ``start_fit``), or fewer when
+        ``time_budget_s`` seconds have passed: no iteration starts after that (the first always
+        runs). ``FitResult.iterations`` is what ran."""
+        deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+        metrics = []
         with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
                             seed=seed) as fit:
-            metrics = [self.iteration(fit) for _ in range(iterations)]
+            while len(metrics) < iterations and (not metrics or deadline is None or time.perf_counter() < deadline):
+                metrics.append(self.iteration(fit))
         return FitResult(metrics=metrics, mechanism=fit.mechanism)
 
     @contextmanager

@@ -16,6 +16,10 @@ message. The steps here replace them:
   Evaluation goes to whoever is connected, with a deadline.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
   round with the reason instead of passing silently. Its own deadline is ``secagg.timeout``.
+
+Every message of a round, both ways and every SecAgg+ stage, is measured as it is serialized
+(``wire.MeteredGrid``); the round's ``metrics.jsonl`` record holds the figures under ``wire``
+(the preflight and the initial evaluation go into round 0's record).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 
 from flwr_verl.config import FederationConfig
 from flwr_verl.rundir import RunDirectory
+from flwr_verl.wire import MeteredGrid, WireMeter
 from flwr_verl.strategy import FedProxAdapters, NoReply, RoundFailed, describe_failures
 
 
@@ -86,14 +91,16 @@ class RoundLoop:
                  secure_fit: SecAggPlusWorkflow | None) -> None:
         self.strategy, self.run, self.federation, self.secure_fit = strategy, run, federation, secure_fit
         self.saved_round = strategy.completed_round
+        self.wire = WireMeter()
 
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
+        grid = MeteredGrid(grid, self.wire)
         current = current_round(legacy)
         if current == 1:  # the first round of this run, fresh or resumed
             self.preflight(grid, legacy, current)
         if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
             evaluation = self.evaluate_round(grid, legacy, 0)
-            self.run.append_metrics({"round": 0, "evaluate": evaluation})
+            self.run.append_metrics({"round": 0, "evaluate": evaluation, "wire": self.wire.take()})
             if "accuracy" in evaluation:
                 log(INFO, "round 0/%s: held-out accuracy %.3f before training", self.federation.num_server_rounds,
                     evaluation["accuracy"])
@@ -120,8 +127,9 @@ class RoundLoop:
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
         record = dict(self.strategy.state_dict()["last_round"])
-        if evaluation := self.evaluate_round(grid, legacy, current_round(legacy)):
+        if evaluation := self.evaluate_round(MeteredGrid(grid, self.wire), legacy, current_round(legacy)):
             record["evaluate"] = evaluation
+        record["wire"] = self.wire.take()
         self.run.append_metrics(record)
         self.run.plot()
         log(INFO, "%s", progress_line(record, self.federation.num_server_rounds))
@@ -163,8 +171,12 @@ def progress_line(record: dict, rounds: int) -> str:
     if "epsilon_total" in fit:
         budget = f" of budget {fit['epsilon_budget']:g}" if "epsilon_budget" in fit else ""
         parts.append(f"epsilon {fit['epsilon_total']:.2f}{budget}")
-    parts += [f"{record.get('seconds', math.nan):.1f} s",
-              f"{fit.get('bytes_sent', 0) / 1e6:.2f} MB up, {fit.get('bytes_received', 0) / 1e6:.2f} MB down"]
+    parts.append(f"{record.get('seconds', math.nan):.1f} s")
+    if wire := record.get("wire"):  # measured on the wire, every stage, summed over the clients
+        parts.append(f"{sum(wire['up'].values()) / 1e6:.2f} MB up, {sum(wire['down'].values()) / 1e6:.2f} MB down "
+                     "on the wire")
+    else:
+        parts.append(f"{fit.get('bytes_sent', 0) / 1e6:.2f} MB up, {fit.get('bytes_received', 0) / 1e6:.2f} MB down")
     return f"round {record['round']}/{rounds}: " + " | ".join(parts)
 
 

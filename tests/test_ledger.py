@@ -9,6 +9,7 @@ processes: concurrent spenders never exceed the budget.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sqlite3
 import subprocess
@@ -122,15 +123,12 @@ def test_a_changed_data_set_gets_a_new_entry(tiny_config, tmp_path):
 
 
 # One spender, run in this process and in another: one iteration at a time until the ledger refuses.
-SPEND_UNTIL_REFUSED = """
 def spend_until_refused(ledger, budget, run_id):
     spent, key, mechanism = 0, DataSetKey("shared-data", "prompt"), IterationMechanism(1.0, 0.1)
     while not ledger.spend(key, mechanism, 1, budget=budget, delta=1e-5, accountant="rdp", run_id=run_id,
                            server_round=spent + 1).refused:
         spent += 1
     return spent
-"""
-exec(SPEND_UNTIL_REFUSED)
 
 # The other node's process imports the ledger only, warms the accountant, says "ready", and
 # spends once the start file appears.
@@ -139,7 +137,7 @@ import sys, time
 from pathlib import Path
 from flwr_verl.ledger import DataSetKey, PrivacyLedger
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount
-""" + SPEND_UNTIL_REFUSED + """
+""" + inspect.getsource(spend_until_refused) + """
 path, budget, start = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
 PrivacyAccount().after(IterationMechanism(1.0, 0.1), 1).epsilon(1e-5)
 print("ready", flush=True)
@@ -211,7 +209,7 @@ def test_privacy_metrics_and_num_examples_decide_what_the_strategy_receives(tiny
                                                 secagg=SecAggConfig(enabled=False)),
                                client.adapters.get_arrays(), local_iterations=1)
     (_, res), = fit_round(strategy, InProcessClients({"0": client}), 1)[0]
-    protocol = {"status", "partition_id", "client_id", "bytes_received", "bytes_sent"}
+    protocol = {"status", "partition_id", "client_id", "bytes_received", "bytes_sent", "iterations"}
     assert res.num_examples == weight
     assert {k for k in res.metrics if not k.startswith("privacy.")} >= protocol
     assert any(k.startswith("training.") for k in res.metrics) == sends_training

@@ -32,7 +32,8 @@ TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.3
     FitConfig(server_round=3, local_iterations=10, planned_iterations=80, proximal_mu=0.01),
     FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0,
               secagg=SecAggBounds(clipping_range=1.0, max_weight=4096.0), fail_partition=2),
-], ids=["plain", "secure"])
+    FitConfig(server_round=2, local_iterations=10, planned_iterations=80, proximal_mu=0.0, normalize_update=True),
+], ids=["plain", "secure", "fednova"])
 def test_fit_config_round_trips_through_flowers_config(config):
     wire = config.to_config()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
@@ -43,7 +44,8 @@ def test_fit_config_round_trips_through_flowers_config(config):
     FitReport(status=STATUS_OK, partition_id=1, client_id="org-b", bytes_received=10, bytes_sent=20,
               privacy=PRIVACY, training=TRAINING),
     FitReport(status=STATUS_BUDGET, partition_id=0, client_id="0", bytes_received=10, bytes_sent=0, privacy=PRIVACY),
-    FitReport(status=STATUS_OK, partition_id=2, client_id="2", bytes_received=1, bytes_sent=1, training=TRAINING),
+    FitReport(status=STATUS_OK, partition_id=2, client_id="2", bytes_received=1, bytes_sent=1, iterations=10,
+              training=TRAINING),
 ], ids=["trained-under-dp", "refused", "trained-without-dp"])
 def test_fit_report_round_trips_through_flowers_metrics(report):
     wire = report.to_metrics()

@@ -1,0 +1,114 @@
+"""Bytes on the wire: every message the server exchanges, measured as Flower transports it.
+
+Flower 1.42 moves a message as separate deflated objects (the message, its records, each array's
+chunks) through the SuperLink's object store; ``wire_bytes`` is their sum, per message, so each
+client is charged everything it receives or sends (objects it shares with other clients'
+messages included). gRPC and TLS framing add a few dozen bytes per object on top.
+
+``MeteredGrid`` wraps the ServerApp's ``Grid`` and counts every message both ways, per node,
+direction (``down``: server to client, ``up``: the reply) and stage (``get_properties``, ``fit``,
+``evaluate``, or the SecAgg+ stage: ``secagg_setup``, ``secagg_share_keys``,
+``secagg_collect_masked_vectors``, ``secagg_unmask``). ``WireMeter.take`` summarises and resets
+it; ``workflow.RoundLoop`` writes that summary into each round's ``metrics.jsonl`` record.
+
+What a parameter costs: in the clear, its dtype (float32 from clients, float64 from the server's
+global weights). Under SecAgg+ each masked entry is an int64 (8 bytes) whatever the modulus:
+the 2**40 modulus needs 40 bits, so 3 of every 8 bytes carry nothing, and a 2**k modulus packed
+to k bits would cost k/8 bytes (Flower 1.42 has no narrower integer type for it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from flwr.app import Message, RecordDict
+from flwr.server import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+SECAGG_RECORD = "secaggplus_configs"  # flwr.common.secure_aggregation's RECORD_KEY_CONFIGS
+
+
+def wire_bytes(message: Message) -> int:
+    """The sum of ``message``'s deflated objects: what Flower 1.42 pushes and pulls for it."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+
+
+def stage_of(message: Message) -> str:
+    """The protocol stage a message belongs to (its type, or its SecAgg+ stage)."""
+    kind = message.metadata.message_type.partition(".")[0]
+    if message.has_content() and (config := message.content.config_records.get(SECAGG_RECORD)) and "stage" in config:
+        return f"secagg_{config['stage']}"
+    return kind
+
+
+class WireMeter:
+    """Serialized bytes per (node, direction, stage), until ``take``."""
+
+    def __init__(self) -> None:
+        self.traffic: dict[tuple[int, str, str], int] = defaultdict(int)
+
+    def count(self, message: Message, direction: str, node_id: int, stage: str) -> None:
+        self.traffic[(node_id, direction, stage)] += wire_bytes(message)
+
+    def take(self) -> dict:
+        """``{"up": {stage: bytes}, "down": {...}, "per_client": {node: {"up": b, "down": b}}}``
+        (bytes summed over the clients), then start counting afresh."""
+        out: dict = {"up": defaultdict(int), "down": defaultdict(int), "per_client": {}}
+        for (node, direction, stage), size in sorted(self.traffic.items()):
+            out[direction][stage] += size
+            out["per_client"].setdefault(str(node), {"up": 0, "down": 0})[direction] += size
+        self.traffic.clear()
+        return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"]}
+
+
+class MeteredGrid(Grid):
+    """A ``Grid`` that passes everything to ``grid`` and counts each message on ``meter``.
+
+    A reply is charged to the stage of the message it answers (an error reply carries no
+    SecAgg+ stage of its own)."""
+
+    def __init__(self, grid: Grid, meter: WireMeter) -> None:
+        self.grid, self.meter = grid, meter
+        self._stages: dict[str, str] = {}  # message id -> its stage, until the reply is pulled
+
+    def set_run(self, run_id: int) -> None:
+        self.grid.set_run(run_id)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        ids = list(self.grid.push_messages(messages))
+        for message, message_id in zip(messages, ids):
+            stage = self._stages[message_id] = stage_of(message)
+            self.meter.count(message, "down", message.metadata.dst_node_id, stage)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self.grid.pull_messages(message_ids))
+        for reply in replies:
+            stage = self._stages.pop(reply.metadata.reply_to_message_id, stage_of(reply))
+            self.meter.count(reply, "up", reply.metadata.src_node_id, stage)
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        stages = {id(m): stage_of(m) for m in messages}
+        for message in messages:
+            self.meter.count(message, "down", message.metadata.dst_node_id, stages[id(message)])
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        by_node = {m.metadata.dst_node_id: stages[id(m)] for m in messages}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            self.meter.count(reply, "up", node, by_node.get(node) or stage_of(reply))
+        return replies
