@@ -10,6 +10,11 @@ verl-format rows): GRPO, ``token-mean`` loss (TRL's default ``dapo``), clip 0.2,
 AdamW, privacy off. One difference is inherent: flwr-verl puts the BOS token before a prompt
 (``data.prompt_text``; TRL does not), so its prompts are one token longer.
 
+``--clock cpu`` times with the process's CPU time (``time.process_time``, user + system, put in
+place of ``time.perf_counter`` in both processes) instead of wall time: on a shared machine it
+leaves out the time a process waits for a core, which wall time counts for whichever side ran
+while the machine was busier. Both sides use one torch thread.
+
 ``--size HIDDEN,INTERMEDIATE,LAYERS`` changes only the model size, on both sides (the peer
 script is run unchanged, with ``transformers.LlamaConfig`` given those sizes).
 
@@ -22,7 +27,7 @@ breakdown and peak RSS (``ru_maxrss`` of the whole process), all medians over re
 ranges.
 
     python benchmarks/vs_trl.py --trl-python /work/venv-trl/bin/python [--peer ../shared/peer/bench_trl.py]
-                                [--repeats 3] [--warmup 3] [--iterations 20] [--size 512,1024,4]
+                                [--repeats 3] [--warmup 3] [--iterations 20] [--size 512,1024,4] [--clock cpu]
                                 [--out benchmarks/results/vs_trl.json]
 """
 
@@ -51,12 +56,15 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM":
        "PYTHONWARNINGS": "ignore"}
 # The peer script, unchanged, with LlamaConfig given the requested sizes.
 TRL_RUNNER = """
-import runpy, sys, transformers
+import runpy, sys, time
+if sys.argv[2] == "cpu":
+    time.perf_counter = time.process_time
+import transformers
 hidden, intermediate, layers = (int(v) for v in sys.argv[1].split(","))
 base = transformers.LlamaConfig
 transformers.LlamaConfig = lambda **kw: base(**{**kw, "hidden_size": hidden, "intermediate_size": intermediate,
                                                  "num_hidden_layers": layers})
-sys.argv = sys.argv[2:]
+sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -150,10 +158,10 @@ def flwr_verl_child(size: tuple[int, int, int], warmup: int, iterations: int, se
 
 
 # ----------------------------------------------------------------------------- the processes
-def run_trl(python: str, peer: Path, size: str, warmup: int, iterations: int) -> dict:
+def run_trl(python: str, peer: Path, size: str, clock: str, warmup: int, iterations: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "trl.json"
-        subprocess.run([python, "-c", TRL_RUNNER, size, str(peer), "--warmup", str(warmup), "--iters", str(iterations),
+        subprocess.run([python, "-c", TRL_RUNNER, size, clock, str(peer), "--warmup", str(warmup), "--iters", str(iterations),
                         "--repeats", "1", "--json", str(out)],
                        env={**os.environ, **ENV, "TRL_BENCH_OUT": str(Path(directory) / "out")},
                        cwd=directory, capture_output=True, text=True, check=True, timeout=1800)
@@ -167,8 +175,8 @@ def run_trl(python: str, peer: Path, size: str, warmup: int, iterations: int) ->
             "mean_reward_last": statistics.mean(result["mean_reward_per_iter"][-5:])}
 
 
-def run_flwr_verl(size: str, warmup: int, iterations: int, seed: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", size, "--warmup", str(warmup),
+def run_flwr_verl(size: str, clock: str, warmup: int, iterations: int, seed: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", size, "--clock", clock, "--warmup", str(warmup),
                            "--iterations", str(iterations), "--seed", str(seed)],
                           env={**os.environ, **ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           check=True, timeout=1800)
@@ -208,24 +216,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=20, help="timed iterations per process")
     parser.add_argument("--size", default="128,256,2", help="hidden,intermediate,layers")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "vs_trl.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.clock == "cpu":  # before anything reads the clock (the trainer's phase timings too)
+            time.perf_counter = time.process_time
         size = tuple(int(v) for v in args.child.split(","))
         print("RESULT" + json.dumps(flwr_verl_child(size, args.warmup, args.iterations, args.seed)))
         return
 
     trl_runs, ours = [], []
     for repeat in range(args.repeats):
-        trl_runs.append(run_trl(args.trl_python, args.peer, args.size, args.warmup, args.iterations))
-        ours.append(run_flwr_verl(args.size, args.warmup, args.iterations, args.seed))
+        trl_runs.append(run_trl(args.trl_python, args.peer, args.size, args.clock, args.warmup, args.iterations))
+        ours.append(run_flwr_verl(args.size, args.clock, args.warmup, args.iterations, args.seed))
         print(f"repeat {repeat + 1}: TRL {SEQUENCES / trl_runs[-1]['median_s']:.0f} seq/s, "
               f"flwr-verl {SEQUENCES / ours[-1]['median_s']:.0f} seq/s", flush=True)
     ratios = [t["median_s"] / o["median_s"] for t, o in zip(trl_runs, ours)]
     result = {
-        "workload": {"size": args.size, "prompts": NUM_PROMPTS, "generations": NUM_GEN, "max_new_tokens": MAX_NEW,
+        "workload": {"size": args.size, "clock": args.clock, "prompts": NUM_PROMPTS, "generations": NUM_GEN, "max_new_tokens": MAX_NEW,
                      "warmup": args.warmup, "iterations": args.iterations, "repeats": args.repeats,
                      "cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "trl": summarize(trl_runs), "flwr_verl": summarize(ours),
@@ -236,7 +247,7 @@ def main() -> None:
     show("flwr-verl", result["flwr_verl"])
     ratio = result["ratio_seq_per_s"]
     print(f"flwr-verl seq/s over TRL seq/s: {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}), "
-          f"{args.repeats} interleaved pairs; peak RSS ratio "
+          f"{args.repeats} interleaved pairs, {args.clock} clock; peak RSS ratio "
           f"{result['flwr_verl']['rss_mb_peak']['median'] / result['trl']['rss_mb_peak']['median']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
