@@ -59,7 +59,7 @@ TRL_RUNNER = """
 import runpy, sys, time
 if sys.argv[2] == "cpu":
     time.perf_counter = time.process_time
-import transformers
+import peft, transformers, trl  # first: importing them re-resolves transformers' lazy attributes
 hidden, intermediate, layers = (int(v) for v in sys.argv[1].split(","))
 base = transformers.LlamaConfig
 transformers.LlamaConfig = lambda **kw: base(**{**kw, "hidden_size": hidden, "intermediate_size": intermediate,
