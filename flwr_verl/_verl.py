@@ -4,39 +4,129 @@ Importing verl prints warnings about optional GPU engines it cannot find, and ca
 ``logging.basicConfig`` (which makes every Flower log line appear twice). Both are side effects
 of import, so they are contained here; the rest of the package imports verl's pieces from this
 module.
+
+Only verl's light modules are imported: ``core_algos``, the configs, ``torch_functional`` and
+the reward scorers. ``verl.trainer.ppo.ray_trainer`` (the Ray driver: pandas, datasets, FastAPI,
+uvicorn, torchdata) and ``verl.workers.reward_manager`` (pydantic, aiohttp) are not; the three
+small driver functions this engine uses from ``ray_trainer`` are restated below over
+``core_algos``, and the reward manager lives in ``flwr_verl.rewards``. Ray itself is deferred
+(``_RayOnFirstUse``): ``verl.protocol`` imports it at module level only for
+``DataProtoFuture``, the handle of a result between Ray workers, which one process never makes.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
+import types
 import warnings
+
+import torch
+
+
+class _RayOnFirstUse(types.ModuleType):
+    """What ``verl.protocol``'s ``import ray`` gets when Ray is not imported yet: reading any
+    attribute imports the real Ray and reads it there. During verl's import the only read is the
+    annotation ``list[ray.ObjectRef]`` of ``DataProtoFuture``, which gets the forward reference
+    ``"ray.ObjectRef"`` (what ``from __future__ import annotations`` would store) instead of
+    importing Ray for it."""
+
+    def __init__(self) -> None:
+        super().__init__("ray")
+        self.importing_verl = True
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if self.importing_verl and name == "ObjectRef":
+            return "ray.ObjectRef"
+        if sys.modules.get("ray") is self:
+            del sys.modules["ray"]
+        return getattr(importlib.import_module("ray"), name)
+
 
 _root = logging.getLogger()
 _handlers_before = list(_root.handlers)
 _level_before = _root.level
+_ray = None if "ray" in sys.modules else sys.modules.setdefault("ray", _RayOnFirstUse())
 logging.disable(logging.WARNING)  # verl logs "no accelerator" warnings while it imports
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from verl import DataProto
-    from verl.trainer.config import AlgoConfig
-    from verl.trainer.config.algorithm import KLControlConfig
-    from verl.trainer.ppo import core_algos
-    from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
-    from verl.utils import torch_functional as verl_F
-    from verl.utils.import_utils import load_extern_object
-    from verl.utils.model import compute_position_id_with_mask
-    from verl.utils.reward_score import default_compute_score
-    from verl.workers.config import ActorConfig as VerlActorConfig
-    from verl.workers.reward_manager import NaiveRewardManager
-logging.disable(logging.NOTSET)
-_root.handlers[:] = _handlers_before
-_root.setLevel(_level_before)
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from verl import DataProto
+        from verl.trainer.config import AlgoConfig
+        from verl.trainer.config.algorithm import KLControlConfig
+        from verl.trainer.ppo import core_algos
+        from verl.utils import torch_functional as verl_F
+        from verl.utils.import_utils import load_extern_object
+        from verl.utils.model import compute_position_id_with_mask
+        from verl.utils.reward_score import default_compute_score
+        from verl.workers.config import ActorConfig as VerlActorConfig
+finally:
+    if _ray is not None:
+        _ray.importing_verl = False
+        if sys.modules.get("ray") is _ray:
+            del sys.modules["ray"]  # a later ``import ray`` imports the real one
+    logging.disable(logging.NOTSET)
+    _root.handlers[:] = _handlers_before
+    _root.setLevel(_level_before)
+
+
+# ----------------------------------------------------------------------------- from ray_trainer
+# verl's driver functions of the same names and signatures (verl.trainer.ppo.ray_trainer),
+# restated for the estimators flwr-verl offers; tests/test_lean_imports.py checks them against
+# verl's own.
+def compute_response_mask(data: DataProto) -> torch.Tensor:
+    """The attention mask over the response tokens: (bs, R)."""
+    response_length = data.batch["responses"].size(1)
+    return data.batch["attention_mask"][:, -response_length:]
+
+
+def apply_kl_penalty(data: DataProto, kl_ctrl, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
+    """token_level_rewards = token_level_scores - beta * KL(old || ref) per token (bs, R); the
+    batch's mean KL updates ``kl_ctrl`` (an adaptive controller moves beta)."""
+    response_mask = data.batch["response_mask"]
+    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty=kl_penalty)
+    kld = kld * response_mask
+    beta = kl_ctrl.value
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
+    current_kl = torch.mean(verl_F.masked_mean(kld, mask=response_mask, axis=-1), dim=0).item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=data.batch.batch_size[0])
+    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(data: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
+                      num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True,
+                      config: AlgoConfig | None = None) -> DataProto:
+    """``advantages`` and ``returns`` (bs, R) from verl's registered estimator ``adv_estimator``.
+    ``num_repeat`` is unused, as in verl (the groups come from ``uid``)."""
+    batch = data.batch
+    if adv_estimator == "gae":
+        advantages, returns = core_algos.compute_gae_advantage_return(
+            token_level_rewards=batch["token_level_rewards"], values=batch["values"],
+            response_mask=batch["response_mask"], gamma=gamma, lam=lam)
+    elif adv_estimator == "grpo":
+        advantages, returns = core_algos.compute_grpo_outcome_advantage(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=data.non_tensor_batch["uid"], norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    else:
+        kwargs = {"token_level_rewards": batch["token_level_rewards"], "response_mask": batch["response_mask"],
+                  "config": config}
+        if "uid" in data.non_tensor_batch:
+            kwargs["index"] = data.non_tensor_batch["uid"]
+        if "reward_baselines" in batch.keys():
+            kwargs["reward_baselines"] = batch["reward_baselines"]
+        advantages, returns = core_algos.get_adv_estimator_fn(adv_estimator)(**kwargs)
+    batch["advantages"] = advantages
+    batch["returns"] = returns
+    return data
+
 
 __all__ = [
     "AlgoConfig",
     "DataProto",
     "KLControlConfig",
-    "NaiveRewardManager",
     "VerlActorConfig",
     "apply_kl_penalty",
     "compute_advantage",

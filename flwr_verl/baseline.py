@@ -141,8 +141,10 @@ def format_record(record: Record) -> str:
     head = f"iter {record['iteration']:4d}"
     if not record.get("prompts"):
         return f"{head}  empty Poisson draw: noise-only steps"
-    parts = [f"reward {record['reward_mean']:.3f}", f"len {record['response_length']:.2f}",
-             f"kl {record['kl']:.4f}", f"pg_loss {record['pg_loss']:+.2e}"]
+    parts = [f"reward {record['reward_mean']:.3f}", f"len {record['response_length']:.2f}"]
+    if "kl" in record:  # only with a KL term (the reference pass)
+        parts.append(f"kl {record['kl']:.4f}")
+    parts.append(f"pg_loss {record['pg_loss']:+.2e}")
     if "vf_loss" in record:
         parts.append(f"vf_loss {record['vf_loss']:.3e}")
     parts.append(f"clipfrac {record['pg_clipfrac']:.3f}")

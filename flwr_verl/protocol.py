@@ -138,7 +138,7 @@ class TrainingSummary:
     reward_before: float  # mean sampled reward in the first iteration with prompts
     reward_after: float  # ... and in the last
     reward_mean: float
-    kl: float  # to the reference policy (adapter disabled)
+    kl: float  # to the reference policy (adapter disabled); NaN when no KL term runs the reference pass
     response_length: float
     pg_loss: float
     time_fit: float

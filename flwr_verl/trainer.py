@@ -4,10 +4,13 @@ One iteration, top to bottom (B prompts, n responses each, R = response length):
 
 1. sample B prompt rows (Poisson under DP)
 2. rollout: B*n responses                                   -> DataProto (B*n, P+R)
-3. reward: verl's NaiveRewardManager (rule), or a learned
-   reward model (``reward_model.LearnedReward``)            -> token_level_scores (B*n, R)
+3. reward: the rule through verl's reward contract
+   (``rewards.RewardManager``) or a learned reward model
+   (``reward_model.LearnedReward``)                          -> token_level_scores (B*n, R)
 4. log-probs under the rollout policy and the reference     -> old_log_probs, ref_log_prob (B*n, R)
-   (the reference is the same model with the adapter disabled); values for gae (B*n, R)
+   (the reference is the same model with the adapter disabled); values for gae (B*n, R).
+   Each pass runs only when something reads it (``LogProbPasses``): the reference only for a KL
+   term; the old log-probs not when the update is on-policy, where they are the update's own.
 5. KL in the reward (verl's apply_kl_penalty), advantages (verl's compute_advantage)
 6. ppo_epochs x mini-batches of prompts: verl's policy loss (+ entropy, + KL loss), AdamW on
    adapter weights; DP-SGD through Opacus when privacy is on; FedProx's term when anchored;
@@ -113,6 +116,32 @@ def start_update(model: torch.nn.Module, params: list[torch.nn.Parameter], num_u
     return update, (batch[0].tolist() for batch in batches)
 
 
+@dataclass(frozen=True)
+class LogProbPasses:
+    """Which no-grad forward passes an iteration needs, decided once from the config and model.
+
+    * ``reference``: the adapter-disabled pass, read only by a KL term (``actor.use_kl_loss``,
+      ``algorithm.use_kl_in_reward``). Without one the ``kl`` metric is not reported: it would
+      cost a forward pass of its own.
+    * ``old``: the rollout policy's log-probs. The update is on-policy when it is one epoch of
+      one mini-batch through a model without dropout: its only forward runs at the rollout
+      weights and computes exactly the log-probs this pass would, so the update uses its own
+      (``log_prob.detach()``, as TRL's GRPOTrainer does with one iteration per generation) and
+      the pass is skipped, unless the KL penalty in the reward reads them before the update.
+      Generation's own logits (``output_logits``) are not used: their KV-cached forward differs
+      from a full forward by about 1e-6, not exactly.
+    """
+
+    reference: bool
+    old: bool
+
+    @classmethod
+    def needed(cls, config: EngineConfig, num_mini_batches: int, policy: torch.nn.Module) -> LogProbPasses:
+        on_policy = config.actor.ppo_epochs == 1 and num_mini_batches == 1 and not _uses_dropout(policy)
+        kl_in_reward = config.algorithm.use_kl_in_reward
+        return cls(reference=config.actor.use_kl_loss or kl_in_reward, old=kl_in_reward or not on_policy)
+
+
 @dataclass
 class LocalFit:
     """One fit as a value: its update (private or plain, chosen once when the fit starts), the
@@ -177,6 +206,7 @@ class LocalPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(self.algo_config.kl_ctrl)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss)
         self.num_mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
+        self.log_prob_passes = LogProbPasses.needed(config, self.num_mini_batches, self.policy)
 
     # ------------------------------------------------------------------ public API
     def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
@@ -245,9 +275,11 @@ class LocalPPOTrainer:
                 baseline = self.train_reward(greedy).sum(-1)
                 batch.batch["reward_baselines"] = baseline.repeat_interleave(cfg.rollout.n)
         with _timed(timings, "log_prob"):
-            batch.batch["old_log_probs"] = self._log_probs(batch)
-            with self.policy.disable_adapter():
-                batch.batch["ref_log_prob"] = self._log_probs(batch)
+            if self.log_prob_passes.old:
+                batch.batch["old_log_probs"] = self._log_probs(batch)
+            if self.log_prob_passes.reference:
+                with self.policy.disable_adapter():
+                    batch.batch["ref_log_prob"] = self._log_probs(batch)
             if self.critic is not None:
                 batch.batch["values"] = self._values(batch)
         metrics: dict[str, float] = {}
@@ -266,12 +298,10 @@ class LocalPPOTrainer:
             metrics.update(self._update(fit, batch, num_units=len(rows)))
 
         mask = batch.batch["response_mask"].float()
-        kl = core_algos.kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], "low_var_kl")
         metrics.update({
             "prompts": float(len(rows)),
             "reward_mean": batch.batch["token_level_scores"].sum(-1).mean().item(),
             "response_length": mask.sum(-1).mean().item(),
-            "kl": verl_F.masked_mean(kl, mask).item(),
             "proximal_term": fit.update.proximal.term(self.policy_params).item(),
             **{f"time_{phase}": seconds for phase, seconds in timings.items()},
         })
@@ -325,8 +355,10 @@ class LocalPPOTrainer:
     def _actor_step(self, update: PlainUpdate | PrivateUpdate, mb: DataProto) -> dict[str, float]:
         actor, mask = self.config.actor, mb.batch["response_mask"]
         log_prob, entropy = self._forward_policy(mb, with_entropy=actor.entropy_coeff > 0)
+        # on-policy (LogProbPasses): this forward runs at the rollout weights
+        old_log_prob = mb.batch["old_log_probs"] if self.log_prob_passes.old else log_prob.detach()
         pg_loss, pg_metrics = self.policy_loss_fn(
-            old_log_prob=mb.batch["old_log_probs"], log_prob=log_prob, advantages=mb.batch["advantages"],
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=mb.batch["advantages"],
             response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=self.actor_config,
         )
         loss = pg_loss
@@ -337,6 +369,9 @@ class LocalPPOTrainer:
             loss = loss + actor.kl_loss_coef * core_algos.agg_loss(kld, mask, actor.loss_agg_mode)
         loss.backward()
         step_metrics = update.step()
+        if self.log_prob_passes.reference:  # the rollout policy's KL to the reference, at no extra cost
+            kl = core_algos.kl_penalty(old_log_prob, mb.batch["ref_log_prob"], "low_var_kl")
+            step_metrics["kl"] = verl_F.masked_mean(kl, mask.float()).item()
         return {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0), **step_metrics,
                 **{k.removeprefix("actor/"): v for k, v in pg_metrics.items() if k != "actor/pg_clipfrac"}}
 
@@ -353,6 +388,19 @@ class LocalPPOTrainer:
         optimizer.step()
         optimizer.zero_grad()
         return {"vf_loss": vf_loss.item(), "vf_clipfrac": float(vf_clipfrac)}
+
+
+def _uses_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's
+    dropout is one), or a dropout rate in its config (attention dropout is applied as a function)."""
+    dropouts = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+    if any(isinstance(module, dropouts) and module.p > 0 for module in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict().items() if config is not None else ()
+    return any(("dropout" in key or "pdrop" in key) and isinstance(value, (int, float))
+               and not isinstance(value, bool) and value > 0 for key, value in rates)
 
 
 def _forever(loader):

@@ -87,8 +87,9 @@ def test_reference_log_probs_unchanged_while_policy_moved(trained):
 def test_fit_reports_finite_metrics(trained):
     assert len(trained.result.metrics) == 2
     for metrics in trained.result.metrics:
-        for key in ("reward_mean", "response_length", "kl", "pg_loss", "pg_clipfrac", "time_rollout", "time_update"):
+        for key in ("reward_mean", "response_length", "pg_loss", "pg_clipfrac", "time_rollout", "time_update"):
             assert math.isfinite(metrics[key]), (key, metrics)
+        assert "kl" not in metrics  # no KL term: the reference pass is skipped
     assert trained.result.mechanism is None and trained.result.iterations == 2  # no privacy: nothing spent
 
 
