@@ -68,6 +68,7 @@ from flwr_verl.trainer import LocalPPOTrainer
 STATE_KEY = "flwr_verl"
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
 NODE_CLIENT_ID = "client-id"  # node-config key: this client's name in the server's privacy ledger
+NODE_DEIDENTIFY_CORPUS = "deidentify-corpus-file"  # node-config key: this node's protected text (deidentify.py)
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
@@ -265,6 +266,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
+    config = with_node_corpus(config, context.node_config.get(NODE_DEIDENTIFY_CORPUS))
     if STATE_KEY not in context.state.config_records:
         context.state.config_records[STATE_KEY] = ConfigRecord()
     return VerlClient(
@@ -285,3 +287,13 @@ def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:
     federation_budget = config.privacy.epsilon_budget
     strictest = min(float(budget), federation_budget) if federation_budget > 0 else float(budget)
     return dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, epsilon_budget=strictest))
+
+
+def with_node_corpus(config: EngineConfig, corpus_file: Any) -> EngineConfig:
+    """``config`` with the node's own ``deidentify-corpus-file`` as ``deidentify.corpus_file``:
+    each organisation protects its own text, at a path on its own machine."""
+    if corpus_file is None:
+        return config
+    if not isinstance(corpus_file, str):
+        raise ConfigError(f"node config {NODE_DEIDENTIFY_CORPUS}={corpus_file!r} is invalid: must be a path string")
+    return dataclasses.replace(config, deidentify=dataclasses.replace(config.deidentify, corpus_file=corpus_file))

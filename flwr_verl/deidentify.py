@@ -1,0 +1,255 @@
+"""Generation-time de-identification: never emit an n-gram of the protected text verbatim.
+
+MemFree decoding (Ippolito et al. 2023, "Preventing Verbatim Memorization in Language Models
+Gives a False Sense of Privacy"): every token n-gram of a protected corpus goes into a Bloom
+filter; at each decoding step, every candidate token that would complete a protected n-gram
+(the last n-1 tokens of the sequence, prompt included, followed by the candidate) gets logit
+-inf, so greedy decoding takes the next-best token and sampling renormalises over the rest.
+
+    protected = ProtectedNgrams.from_texts(tokenizer, my_private_texts, ngram=6, false_positive_rate=1e-4)
+    model.generate(..., logits_processor=LogitsProcessorList([NoVerbatimNgrams(protected)]))
+
+What it guarantees: no n-gram of the corpus (as the tokenizer splits it) is ever produced, except
+an n-gram whose every next token is protected (the processor then leaves that one step alone,
+rather than produce NaN), which needs ``vocabulary size`` protected n-grams sharing one prefix.
+A Bloom filter has no false negatives, so nothing protected slips through; a false positive
+(probability ``false_positive_rate`` per candidate) blocks an innocent token. What it does not
+do: the same text tokenized differently, paraphrase, a change of case or spacing, or facts
+spread over shorter n-grams all pass (Ippolito et al. show style-transfer prompts recover
+memorised text around the filter). It prevents verbatim reproduction, not memorisation.
+
+Where it runs: on the organisation's own node, from its own text (``deidentify.*`` config: its
+training prompts, a corpus file, or both); the filter never leaves the node. ``LocalPPOTrainer``
+applies it to that organisation's rollouts and evaluations; ``deidentified_generation`` is the
+serving API for an adapter in a run directory. The filter is not covered by epsilon: it is a
+deterministic function of the protected text. Under DP it is therefore built from the corpus
+file only (``config.DeidentifyConfig``): a filter made of the training prompts would make every
+prompt's rollouts depend on all the other prompts, coupling the privacy units.
+
+Hashing: three polynomial hashes of the token ids modulo three primes below 2^31 (no int64
+overflow, so the same on CPU and GPU), combined by double hashing (Kirsch & Mitzenmacher 2006)
+into the filter's k bit positions. Candidates are checked for the whole vocabulary at once, one
+hash function at a time, keeping only the candidates still possibly present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from flwr_verl.config import DeidentifyConfig, FlwrVerlError
+
+_PRIMES = (2_147_483_647, 2_147_483_629, 2_147_483_587)
+_BASES = (1_000_003, 998_244_353, 1_234_567_891)
+
+
+class CorpusError(FlwrVerlError, ValueError):
+    """The protected corpus file cannot be read."""
+
+
+def _hash_prefixes(prefixes: torch.Tensor) -> torch.Tensor:
+    """Polynomial hashes of token-id sequences: (..., L) -> (3, ...), each below its prime."""
+    h = torch.zeros((3, *prefixes.shape[:-1]), dtype=torch.int64, device=prefixes.device)
+    for j in range(prefixes.shape[-1]):
+        h = _extend(h, prefixes[..., j])
+    return h
+
+
+def _extend(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The hashes of each sequence extended by one token: (3, ...) x (...) -> (3, ...), broadcast."""
+    # +1: token 0 still changes the hash
+    return torch.stack([(h[i] * base + tokens + 1) % prime for i, (prime, base) in enumerate(zip(_PRIMES, _BASES))])
+
+
+def _positions(h: torch.Tensor, num_hashes: int, num_bits: int) -> Iterable[torch.Tensor]:
+    """The filter's bit positions of hashed n-grams, one hash function at a time."""
+    first = h[0] * _PRIMES[1] + h[1]  # < 2^62
+    step = h[2] | 1
+    for i in range(num_hashes):
+        yield (first + i * step) % num_bits
+
+
+@dataclass
+class ProtectedNgrams:
+    """A Bloom filter of token n-grams: ``num_bits`` bits, ``num_hashes`` hash functions.
+
+    Built by ``from_token_ids`` / ``from_texts`` with the optimal sizes for the number of
+    n-grams and the target false-positive rate: bits = -N ln p / (ln 2)^2, hashes = bits/N ln 2.
+    """
+
+    ngram: int
+    bits: torch.Tensor  # (num_bits,) bool
+    num_hashes: int
+    num_ngrams: int  # n-grams inserted (with repeats): the filter was sized for this many
+    num_tokens: int  # tokens of the protected corpus
+
+    @property
+    def empty(self) -> bool:
+        return self.num_ngrams == 0
+
+    @property
+    def nbytes(self) -> int:
+        """The filter's size as a packed bit array."""
+        return math.ceil(self.bits.numel() / 8)
+
+    @classmethod
+    def from_token_ids(cls, sequences: Sequence[Sequence[int]], *, ngram: int = 6,
+                       false_positive_rate: float = 1e-4) -> ProtectedNgrams:
+        _check_options(ngram, false_positive_rate)
+        sequences = [list(s) for s in sequences]
+        num_tokens = sum(len(s) for s in sequences)
+        num_ngrams = sum(max(len(s) - ngram + 1, 0) for s in sequences)
+        num_bits = max(8, math.ceil(-num_ngrams * math.log(false_positive_rate) / math.log(2) ** 2))
+        num_hashes = max(1, round(num_bits / max(num_ngrams, 1) * math.log(2)))
+        bits = torch.zeros(num_bits, dtype=torch.bool)
+        for sequence in sequences:
+            if len(sequence) < ngram:
+                continue
+            windows = torch.tensor(sequence, dtype=torch.int64).unfold(0, ngram, 1)  # (count, n)
+            for positions in _positions(_hash_prefixes(windows), num_hashes, num_bits):
+                bits[positions] = True
+        return cls(ngram=ngram, bits=bits, num_hashes=num_hashes, num_ngrams=num_ngrams, num_tokens=num_tokens)
+
+    @classmethod
+    def from_texts(cls, tokenizer, texts: Iterable[str], *, ngram: int = 6,
+                   false_positive_rate: float = 1e-4) -> ProtectedNgrams:
+        """The n-grams of ``texts`` as ``tokenizer`` splits them (no special tokens)."""
+        texts = [t for t in texts if t]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return cls.from_token_ids(ids, ngram=ngram, false_positive_rate=false_positive_rate)
+
+    def to(self, device: torch.device | str) -> ProtectedNgrams:
+        return ProtectedNgrams(self.ngram, self.bits.to(device), self.num_hashes, self.num_ngrams, self.num_tokens)
+
+    def contains(self, ngrams: torch.Tensor) -> torch.Tensor:
+        """Whether each n-gram may be protected (no false negatives): (..., n) -> (...) bool."""
+        if ngrams.shape[-1] != self.ngram:
+            raise ValueError(f"expected n-grams of {self.ngram} tokens, got shape {tuple(ngrams.shape)}")
+        found = torch.ones(ngrams.shape[:-1], dtype=torch.bool, device=ngrams.device)
+        for positions in _positions(_hash_prefixes(ngrams.to(self.bits.device)), self.num_hashes,
+                                    self.bits.numel()):
+            found &= self.bits[positions]
+        return found
+
+    def completions(self, prefixes: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """For each (n-1)-token prefix, which next tokens complete a protected n-gram:
+        (B, n-1) -> (B, vocab_size) bool."""
+        batch = prefixes.shape[0]
+        candidates = _extend(_hash_prefixes(prefixes)[:, :, None],
+                             torch.arange(vocab_size, device=prefixes.device)[None, :]).reshape(3, -1)
+        alive = torch.arange(batch * vocab_size, device=prefixes.device)
+        first, step = candidates[0] * _PRIMES[1] + candidates[1], candidates[2] | 1
+        for i in range(self.num_hashes):  # the candidates not yet ruled out, one hash at a time
+            alive = alive[self.bits[(first[alive] + i * step[alive]) % self.bits.numel()]]
+            if alive.numel() == 0:
+                break
+        blocked = torch.zeros(batch * vocab_size, dtype=torch.bool, device=prefixes.device)
+        blocked[alive] = True
+        return blocked.reshape(batch, vocab_size)
+
+
+class NoVerbatimNgrams(LogitsProcessor):
+    """A ``transformers`` logits processor: tokens that would complete a protected n-gram get
+    -inf (MemFree decoding). ``generate`` runs it before temperature, top-k and top-p, so
+    sampling draws from the allowed tokens only. A no-op with an empty corpus."""
+
+    def __init__(self, protected: ProtectedNgrams) -> None:
+        self.protected = protected
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        context = self.protected.ngram - 1
+        if self.protected.empty or input_ids.shape[1] < context:
+            return scores
+        if self.protected.bits.device != scores.device:
+            self.protected = self.protected.to(scores.device)
+        blocked = self.protected.completions(input_ids[:, -context:], scores.shape[1])
+        blocked &= ~blocked.all(dim=1, keepdim=True)  # never leave a row with nothing to emit
+        return scores.masked_fill(blocked, -math.inf)
+
+
+# ----------------------------------------------------------------------------- where it applies
+def _check_options(ngram: int, false_positive_rate: float) -> None:
+    DeidentifyConfig(ngram=ngram, false_positive_rate=false_positive_rate)  # ConfigError naming the key
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """A protected corpus file: ``.jsonl`` (one JSON object per line, its ``"text"``) or plain
+    text (one passage per non-empty line)."""
+    path = Path(path).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise CorpusError(f"deidentify.corpus_file={str(path)!r} cannot be read: {error}") from error
+    if path.suffix != ".jsonl":
+        return [line for line in lines if line.strip()]
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(str(json.loads(line)["text"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise CorpusError(f"deidentify.corpus_file={str(path)!r} line {number}: expected a JSON object "
+                              f"with a \"text\" field ({error})") from error
+    return texts
+
+
+def protected_texts(config: DeidentifyConfig, prompts: Iterable[str]) -> list[str]:
+    """The text ``config`` protects: the organisation's training ``prompts`` when
+    ``deidentify.protect_prompts``, and the passages of ``deidentify.corpus_file``."""
+    texts = list(prompts) if config.protect_prompts else []
+    if config.corpus_file:
+        texts += read_corpus(config.corpus_file)
+    return texts
+
+
+def build_processors(config: DeidentifyConfig, tokenizer, prompts: Iterable[str]) -> LogitsProcessorList | None:
+    """The logits processors for this organisation's generations; None when disabled."""
+    if not config.enabled:
+        return None
+    protected = ProtectedNgrams.from_texts(tokenizer, protected_texts(config, prompts), ngram=config.ngram,
+                                           false_positive_rate=config.false_positive_rate)
+    return LogitsProcessorList([NoVerbatimNgrams(protected)])
+
+
+def deidentified_generation(run_dir: str | Path, texts: Iterable[str], *, ngram: int | None = None,
+                            false_positive_rate: float | None = None, adapter: str = "final", device: str = "cpu"):
+    """Serving API: the global policy of a run, and the processor that keeps ``texts`` out of
+    its outputs.
+
+    Returns ``(model, tokenizer, logits_processor)``: the base model of the run's config with
+    the PEFT adapter ``<run_dir>/adapters/<adapter>/policy`` loaded, its tokenizer, and a
+    ``LogitsProcessorList`` to pass to ``model.generate(..., logits_processor=...)``. ``ngram``
+    and ``false_positive_rate`` default to the run's ``deidentify.*`` values::
+
+        model, tokenizer, processors = deidentified_generation("runs/run-...", my_private_texts)
+        out = model.generate(**tokenizer(["..."], return_tensors="pt"), logits_processor=processors)
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flwr_verl.config import ModelConfig
+    from flwr_verl.models import load_tokenizer, resolve_model_path
+
+    run_dir = Path(run_dir).expanduser()
+    adapter_dir = run_dir / "adapters" / adapter / "policy"
+    if not adapter_dir.is_dir():
+        raise FileNotFoundError(f"{adapter_dir} is not a PEFT adapter directory (is {run_dir} a flwr-verl run?)")
+    saved = json.loads((run_dir / "config.json").read_text())["engine"]
+    model_config = ModelConfig(**saved["model"])
+    options = saved.get("deidentify", {})
+    ngram = options.get("ngram", 6) if ngram is None else ngram
+    false_positive_rate = options.get("false_positive_rate", 1e-4) if false_positive_rate is None \
+        else false_positive_rate
+    path = resolve_model_path(model_config)
+    tokenizer = load_tokenizer(path)
+    base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).to(device).eval()
+    protected = ProtectedNgrams.from_texts(tokenizer, texts, ngram=ngram, false_positive_rate=false_positive_rate)
+    return model, tokenizer, LogitsProcessorList([NoVerbatimNgrams(protected)])

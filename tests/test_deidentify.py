@@ -1,0 +1,152 @@
+"""Generation-time de-identification (MemFree decoding): what the filter blocks, and what not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from flwr_verl.client import with_node_corpus
+from flwr_verl.config import ConfigError, parse_run_config
+from flwr_verl.data import load_rows, prompt_text
+from flwr_verl.deidentify import CorpusError, NoVerbatimNgrams, ProtectedNgrams, build_processors, read_corpus
+from flwr_verl.models import build_models
+from flwr_verl.rollout import generate
+from flwr_verl.trainer import LocalPPOTrainer
+
+NGRAM = 4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_config):
+    return build_models(tiny_config().model, with_critic=False)
+
+
+@pytest.fixture(scope="module")
+def val_rows(tiny_config):
+    return load_rows(tiny_config().data, "val", seed=0)
+
+
+def _ngrams(ids, n):
+    return {tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)}
+
+
+def _emitted_ngrams(batch, n):
+    """The n-grams whose last token is a generated one (prompt context included), up to EOS."""
+    found = set()
+    prompts, responses, mask = batch.batch["prompts"], batch.batch["responses"], batch.batch["response_mask"]
+    for prompt, response, keep in zip(prompts.tolist(), responses.tolist(), mask.tolist()):
+        sequence = prompt + [t for t, k in zip(response, keep) if k]
+        found |= {tuple(sequence[i - n + 1:i + 1]) for i in range(max(len(prompt), n - 1), len(sequence))}
+    return found
+
+
+def _generate(models, rows, config, processors, seed, greedy=False):
+    torch.manual_seed(seed)
+    return generate(models.policy, models.tokenizer, rows, config.rollout, config.data.max_prompt_length,
+                    n=4, greedy=greedy, logits_processor=processors)
+
+
+def test_bloom_filter_has_no_false_negatives_and_about_its_false_positive_rate():
+    rng = torch.Generator().manual_seed(0)
+    corpus = torch.randint(0, 1000, (50, 40), generator=rng).tolist()
+    protected = ProtectedNgrams.from_token_ids(corpus, ngram=5, false_positive_rate=0.01)
+    inserted = torch.tensor(sorted({g for s in corpus for g in _ngrams(s, 5)}))
+    assert protected.contains(inserted).all()
+    strangers = torch.randint(1000, 2000, (20_000, 5), generator=rng)  # tokens never in the corpus
+    assert protected.contains(strangers).float().mean().item() < 0.02
+    assert protected.nbytes * 8 / protected.num_ngrams == pytest.approx(9.6, rel=0.01)  # -ln(0.01)/ln(2)^2 bits
+
+
+def test_sampled_generations_never_emit_a_protected_ngram(models, val_rows, tiny_config):
+    """Protect what the model itself writes: unfiltered it reproduces it, filtered never."""
+    config = tiny_config(rollout={"response_length": 8, "temperature": 1.0})
+    tokenizer, rows = models.tokenizer, val_rows[:16]
+    answers = [row["prompt"][0]["content"] + row["reward_model"]["ground_truth"] for row in val_rows]
+    protected_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    protected = {g for ids in protected_ids for g in _ngrams(ids, NGRAM)}
+    processors = LogitsProcessorList([NoVerbatimNgrams(
+        ProtectedNgrams.from_token_ids(protected_ids, ngram=NGRAM, false_positive_rate=1e-3))])
+    unfiltered = filtered = 0
+    for seed in range(8):  # 8 x 16 prompts x 4 samples
+        unfiltered += len(_emitted_ngrams(_generate(models, rows, config, None, seed), NGRAM) & protected)
+        filtered += len(_emitted_ngrams(_generate(models, rows, config, processors, seed), NGRAM) & protected)
+    assert unfiltered > 0  # the filter had something to block
+    assert filtered == 0
+
+
+def test_an_empty_corpus_changes_nothing(models, val_rows, tiny_config):
+    config = tiny_config()
+    processors = LogitsProcessorList([NoVerbatimNgrams(ProtectedNgrams.from_texts(models.tokenizer, []))])
+    for greedy in (True, False):
+        plain = _generate(models, val_rows[:8], config, None, seed=3, greedy=greedy)
+        empty = _generate(models, val_rows[:8], config, processors, seed=3, greedy=greedy)
+        assert torch.equal(plain.batch["responses"], empty.batch["responses"])
+
+
+def test_filter_and_filtered_generation_are_deterministic(models, val_rows, tiny_config):
+    config = tiny_config()
+    texts = [prompt_text(row, models.tokenizer) for row in val_rows]
+    first, second = (ProtectedNgrams.from_texts(models.tokenizer, texts, ngram=3) for _ in range(2))
+    assert torch.equal(first.bits, second.bits)
+    runs = [_generate(models, val_rows[:8], config, LogitsProcessorList([NoVerbatimNgrams(first)]), seed=5)
+            for _ in range(2)]
+    assert torch.equal(runs[0].batch["responses"], runs[1].batch["responses"])
+
+
+def test_evaluation_applies_the_filter_of_the_corpus_file(tmp_path, models, val_rows, tiny_config):
+    """With the val answers as protected text, the trainer's evaluation may not write them."""
+    corpus = tmp_path / "protected.txt"
+    corpus.write_text("\n".join(row["prompt"][0]["content"] + row["reward_model"]["ground_truth"]
+                                for row in val_rows))
+    rows = val_rows[:16]
+    plain = LocalPPOTrainer(tiny_config(), rows, models=models).evaluate(rows)
+    config = tiny_config(deidentify={"enabled": True, "protect_prompts": False, "corpus_file": str(corpus),
+                                     "ngram": NGRAM})
+    filtered = LocalPPOTrainer(config, rows, models=models).evaluate(rows)
+    assert plain.accuracy > 0.3 and filtered.accuracy == 0.0
+
+
+def test_disabled_gives_no_processor(models, tiny_config):
+    assert build_processors(tiny_config().deidentify, models.tokenizer, ["1+1=2"]) is None
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("key, value, message", [
+    ("deidentify.ngram", 1, r"deidentify\.ngram=1 is invalid: must be an integer >= 2"),
+    ("deidentify.false_positive_rate", 0.0, r"deidentify\.false_positive_rate=0\.0 is invalid: must be in \(0, 1\)"),
+    ("deidentify.false_positive_rate", 1.0, r"deidentify\.false_positive_rate=1\.0 is invalid"),
+    ("deidentify.corpus_file", "/no/such/corpus.txt", r"deidentify\.corpus_file='/no/such/corpus\.txt' is invalid"),
+])
+def test_bad_option_names_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config({key: value, "privacy.enabled": False})
+
+
+def test_bad_options_of_the_python_api_name_the_key():
+    with pytest.raises(ConfigError, match=r"deidentify\.ngram=1"):
+        ProtectedNgrams.from_token_ids([[1, 2, 3]], ngram=1)
+    with pytest.raises(ConfigError, match=r"deidentify\.false_positive_rate=1\.5"):
+        ProtectedNgrams.from_token_ids([[1, 2, 3]], false_positive_rate=1.5)
+    with pytest.raises(CorpusError, match=r"deidentify\.corpus_file='/no/such/file\.jsonl' cannot be read"):
+        read_corpus("/no/such/file.jsonl")
+
+
+def test_training_prompts_are_refused_as_protected_text_under_dp(tmp_path):
+    with pytest.raises(ConfigError, match=r"deidentify\.protect_prompts=True is invalid: under privacy\.enabled"):
+        parse_run_config({"deidentify.enabled": True})
+    corpus = tmp_path / "mine.txt"
+    corpus.write_text("patient id 4821-9930\n")
+    config = parse_run_config({"deidentify.enabled": True, "deidentify.protect_prompts": False,
+                               "deidentify.corpus_file": str(corpus)}).engine
+    assert config.privacy.enabled and config.deidentify.enabled
+
+
+def test_node_corpus_file_overrides_the_run_config(tmp_path, tiny_config):
+    corpus = tmp_path / "org-a.jsonl"
+    corpus.write_text('{"text": "patient id 4821-9930"}\n')
+    config = with_node_corpus(tiny_config(), str(corpus))
+    assert config.deidentify.corpus_file == str(corpus)
+    assert read_corpus(corpus) == ["patient id 4821-9930"]
+    with pytest.raises(ConfigError, match=r"deidentify\.corpus_file='/elsewhere' is invalid"):
+        with_node_corpus(tiny_config(), "/elsewhere")
