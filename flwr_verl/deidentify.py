@@ -28,12 +28,16 @@ prompt's rollouts depend on all the other prompts, coupling the privacy units.
 
 Hashing: three polynomial hashes of the token ids modulo three primes below 2^31 (no int64
 overflow, so the same on CPU and GPU), combined by double hashing (Kirsch & Mitzenmacher 2006)
-into the filter's k bit positions. Candidates are checked for the whole vocabulary at once, one
-hash function at a time, keeping only the candidates still possibly present.
+into a filter's k bit positions. The (n-1)-token prefixes of the protected n-grams have a second,
+coarser filter: a step whose context is no protected prefix costs a few tensor operations per
+row; otherwise the whole vocabulary is checked at once, each hash function looking only at the
+candidates the previous ones left. Size: about -log2(p)/ln 2 bits per protected n-gram for the
+n-gram filter at false-positive rate p, plus 9.6 for the prefix filter (at 1%).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -67,26 +71,67 @@ def _extend(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack([(h[i] * base + tokens + 1) % prime for i, (prime, base) in enumerate(zip(_PRIMES, _BASES))])
 
 
-def _positions(h: torch.Tensor, num_hashes: int, num_bits: int) -> Iterable[torch.Tensor]:
-    """The filter's bit positions of hashed n-grams, one hash function at a time."""
-    first = h[0] * _PRIMES[1] + h[1]  # < 2^62
-    step = h[2] | 1
-    for i in range(num_hashes):
-        yield (first + i * step) % num_bits
+@dataclass
+class BloomFilter:
+    """``bits`` and ``num_hashes`` hash functions over hashed token sequences, sized for
+    ``capacity`` items at ``false_positive_rate``: bits = -N ln p / (ln 2)^2, hashes = bits/N ln 2."""
+
+    bits: torch.Tensor  # (num_bits,) bool
+    num_hashes: int
+
+    @classmethod
+    def sized(cls, capacity: int, false_positive_rate: float) -> BloomFilter:
+        num_bits = max(8, math.ceil(-capacity * math.log(false_positive_rate) / math.log(2) ** 2))
+        return cls(torch.zeros(num_bits, dtype=torch.bool), max(1, round(num_bits / max(capacity, 1) * math.log(2))))
+
+    def _position(self, first: torch.Tensor, step: torch.Tensor, i: int) -> torch.Tensor:
+        return (first + i * step) % self.bits.numel()  # double hashing: hash function i
+
+    @staticmethod
+    def _pair(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h[0] * _PRIMES[1] + h[1], h[2] | 1  # first < 2^62; an odd step
+
+    def add(self, h: torch.Tensor) -> None:
+        """Insert hashed sequences, (3, N)."""
+        first, step = self._pair(h)
+        for i in range(self.num_hashes):
+            self.bits[self._position(first, step, i)] = True
+
+    def members(self, h: torch.Tensor) -> torch.Tensor:
+        """The indices of the hashed sequences (3, N) that may be in the filter (never a false
+        negative). Each hash function looks only at the candidates the previous ones left."""
+        first, step = self._pair(h)
+        alive = torch.arange(h.shape[1], device=h.device)
+        for i in range(self.num_hashes):
+            alive = alive[self.bits[self._position(first[alive], step[alive], i)]]
+            if alive.numel() == 0:
+                break
+        return alive
+
+    def contains(self, h: torch.Tensor) -> torch.Tensor:
+        """(3, ...) hashes -> (...) bool."""
+        found = torch.zeros(h[0].numel(), dtype=torch.bool, device=h.device)
+        found[self.members(h.reshape(3, -1))] = True
+        return found.reshape(h.shape[1:])
+
+    def to(self, device: torch.device | str) -> BloomFilter:
+        return BloomFilter(self.bits.to(device), self.num_hashes)
+
+
+# The (n-1)-token prefixes get a second, coarser filter: a false positive there only costs time.
+PREFIX_FALSE_POSITIVE_RATE = 0.01
 
 
 @dataclass
 class ProtectedNgrams:
-    """A Bloom filter of token n-grams: ``num_bits`` bits, ``num_hashes`` hash functions.
-
-    Built by ``from_token_ids`` / ``from_texts`` with the optimal sizes for the number of
-    n-grams and the target false-positive rate: bits = -N ln p / (ln 2)^2, hashes = bits/N ln 2.
-    """
+    """The token n-grams of a protected corpus, in a Bloom filter (``ngrams``), and their
+    (n-1)-token prefixes in a second one (``prefixes``): a decoding step whose context is no
+    protected prefix, the usual case, is passed without checking the vocabulary."""
 
     ngram: int
-    bits: torch.Tensor  # (num_bits,) bool
-    num_hashes: int
-    num_ngrams: int  # n-grams inserted (with repeats): the filter was sized for this many
+    ngrams: BloomFilter
+    prefixes: BloomFilter
+    num_ngrams: int  # n-grams inserted (with repeats): the filters were sized for this many
     num_tokens: int  # tokens of the protected corpus
 
     @property
@@ -95,26 +140,24 @@ class ProtectedNgrams:
 
     @property
     def nbytes(self) -> int:
-        """The filter's size as a packed bit array."""
-        return math.ceil(self.bits.numel() / 8)
+        """The size of both filters as packed bit arrays."""
+        return math.ceil(self.ngrams.bits.numel() / 8) + math.ceil(self.prefixes.bits.numel() / 8)
 
     @classmethod
     def from_token_ids(cls, sequences: Sequence[Sequence[int]], *, ngram: int = 6,
                        false_positive_rate: float = 1e-4) -> ProtectedNgrams:
         _check_options(ngram, false_positive_rate)
         sequences = [list(s) for s in sequences]
-        num_tokens = sum(len(s) for s in sequences)
         num_ngrams = sum(max(len(s) - ngram + 1, 0) for s in sequences)
-        num_bits = max(8, math.ceil(-num_ngrams * math.log(false_positive_rate) / math.log(2) ** 2))
-        num_hashes = max(1, round(num_bits / max(num_ngrams, 1) * math.log(2)))
-        bits = torch.zeros(num_bits, dtype=torch.bool)
+        ngrams = BloomFilter.sized(num_ngrams, false_positive_rate)
+        prefixes = BloomFilter.sized(num_ngrams, PREFIX_FALSE_POSITIVE_RATE)
         for sequence in sequences:
-            if len(sequence) < ngram:
-                continue
-            windows = torch.tensor(sequence, dtype=torch.int64).unfold(0, ngram, 1)  # (count, n)
-            for positions in _positions(_hash_prefixes(windows), num_hashes, num_bits):
-                bits[positions] = True
-        return cls(ngram=ngram, bits=bits, num_hashes=num_hashes, num_ngrams=num_ngrams, num_tokens=num_tokens)
+            if len(sequence) >= ngram:
+                windows = torch.tensor(sequence, dtype=torch.int64).unfold(0, ngram, 1)  # (count, n)
+                h = _hash_prefixes(windows[:, :-1])
+                prefixes.add(h)
+                ngrams.add(_extend(h, windows[:, -1]))
+        return cls(ngram, ngrams, prefixes, num_ngrams=num_ngrams, num_tokens=sum(len(s) for s in sequences))
 
     @classmethod
     def from_texts(cls, tokenizer, texts: Iterable[str], *, ngram: int = 6,
@@ -125,33 +168,30 @@ class ProtectedNgrams:
         return cls.from_token_ids(ids, ngram=ngram, false_positive_rate=false_positive_rate)
 
     def to(self, device: torch.device | str) -> ProtectedNgrams:
-        return ProtectedNgrams(self.ngram, self.bits.to(device), self.num_hashes, self.num_ngrams, self.num_tokens)
+        return dataclasses.replace(self, ngrams=self.ngrams.to(device), prefixes=self.prefixes.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.ngrams.bits.device
 
     def contains(self, ngrams: torch.Tensor) -> torch.Tensor:
         """Whether each n-gram may be protected (no false negatives): (..., n) -> (...) bool."""
         if ngrams.shape[-1] != self.ngram:
             raise ValueError(f"expected n-grams of {self.ngram} tokens, got shape {tuple(ngrams.shape)}")
-        found = torch.ones(ngrams.shape[:-1], dtype=torch.bool, device=ngrams.device)
-        for positions in _positions(_hash_prefixes(ngrams.to(self.bits.device)), self.num_hashes,
-                                    self.bits.numel()):
-            found &= self.bits[positions]
-        return found
+        return self.ngrams.contains(_hash_prefixes(ngrams.to(self.device)))
 
     def completions(self, prefixes: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """For each (n-1)-token prefix, which next tokens complete a protected n-gram:
         (B, n-1) -> (B, vocab_size) bool."""
-        batch = prefixes.shape[0]
-        candidates = _extend(_hash_prefixes(prefixes)[:, :, None],
-                             torch.arange(vocab_size, device=prefixes.device)[None, :]).reshape(3, -1)
-        alive = torch.arange(batch * vocab_size, device=prefixes.device)
-        first, step = candidates[0] * _PRIMES[1] + candidates[1], candidates[2] | 1
-        for i in range(self.num_hashes):  # the candidates not yet ruled out, one hash at a time
-            alive = alive[self.bits[(first[alive] + i * step[alive]) % self.bits.numel()]]
-            if alive.numel() == 0:
-                break
-        blocked = torch.zeros(batch * vocab_size, dtype=torch.bool, device=prefixes.device)
-        blocked[alive] = True
-        return blocked.reshape(batch, vocab_size)
+        blocked = torch.zeros(prefixes.shape[0], vocab_size, dtype=torch.bool, device=prefixes.device)
+        h = _hash_prefixes(prefixes)
+        rows = self.prefixes.contains(h).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return blocked
+        candidates = _extend(h[:, rows, None], torch.arange(vocab_size, device=prefixes.device)[None, :])
+        found = self.ngrams.members(candidates.reshape(3, -1))
+        blocked[rows[found // vocab_size], found % vocab_size] = True
+        return blocked
 
 
 class NoVerbatimNgrams(LogitsProcessor):
@@ -166,7 +206,7 @@ class NoVerbatimNgrams(LogitsProcessor):
         context = self.protected.ngram - 1
         if self.protected.empty or input_ids.shape[1] < context:
             return scores
-        if self.protected.bits.device != scores.device:
+        if self.protected.device != scores.device:
             self.protected = self.protected.to(scores.device)
         blocked = self.protected.completions(input_ids[:, -context:], scores.shape[1])
         blocked &= ~blocked.all(dim=1, keepdim=True)  # never leave a row with nothing to emit

@@ -55,7 +55,7 @@ def test_bloom_filter_has_no_false_negatives_and_about_its_false_positive_rate()
     assert protected.contains(inserted).all()
     strangers = torch.randint(1000, 2000, (20_000, 5), generator=rng)  # tokens never in the corpus
     assert protected.contains(strangers).float().mean().item() < 0.02
-    assert protected.nbytes * 8 / protected.num_ngrams == pytest.approx(9.6, rel=0.01)  # -ln(0.01)/ln(2)^2 bits
+    assert protected.ngrams.bits.numel() / protected.num_ngrams == pytest.approx(9.585, rel=0.01)  # -ln p/ln(2)^2
 
 
 def test_sampled_generations_never_emit_a_protected_ngram(models, val_rows, tiny_config):
@@ -88,7 +88,7 @@ def test_filter_and_filtered_generation_are_deterministic(models, val_rows, tiny
     config = tiny_config()
     texts = [prompt_text(row, models.tokenizer) for row in val_rows]
     first, second = (ProtectedNgrams.from_texts(models.tokenizer, texts, ngram=3) for _ in range(2))
-    assert torch.equal(first.bits, second.bits)
+    assert torch.equal(first.ngrams.bits, second.ngrams.bits) and torch.equal(first.prefixes.bits, second.prefixes.bits)
     runs = [_generate(models, val_rows[:8], config, LogitsProcessorList([NoVerbatimNgrams(first)]), seed=5)
             for _ in range(2)]
     assert torch.equal(runs[0].batch["responses"], runs[1].batch["responses"])
