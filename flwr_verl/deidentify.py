@@ -71,6 +71,17 @@ def _extend(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack([(h[i] * base + tokens + 1) % prime for i, (prime, base) in enumerate(zip(_PRIMES, _BASES))])
 
 
+def _extend_by_every_token(h: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``_extend`` of each of B hashes by every token id: (3, B) -> (3, B, vocab_size). The
+    per-row part is reduced once; adding a token id below the prime needs a compare-subtract only."""
+    tokens = torch.arange(vocab_size, device=h.device)
+    out = []
+    for i, (prime, base) in enumerate(zip(_PRIMES, _BASES)):
+        row = ((h[i] * base + 1) % prime)[:, None] + tokens[None, :]
+        out.append(torch.where(row >= prime, row - prime, row))
+    return torch.stack(out)
+
+
 @dataclass
 class BloomFilter:
     """``bits`` and ``num_hashes`` hash functions over hashed token sequences, sized for
@@ -84,28 +95,33 @@ class BloomFilter:
         num_bits = max(8, math.ceil(-capacity * math.log(false_positive_rate) / math.log(2) ** 2))
         return cls(torch.zeros(num_bits, dtype=torch.bool), max(1, round(num_bits / max(capacity, 1) * math.log(2))))
 
-    def _position(self, first: torch.Tensor, step: torch.Tensor, i: int) -> torch.Tensor:
-        return (first + i * step) % self.bits.numel()  # double hashing: hash function i
+    def _start(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Double hashing: hash function i of an item is (first + i * stride) mod num_bits."""
+        num_bits = self.bits.numel()
+        return (h[0] * _PRIMES[1] + h[1]) % num_bits, (h[2] | 1) % num_bits
 
-    @staticmethod
-    def _pair(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return h[0] * _PRIMES[1] + h[1], h[2] | 1  # first < 2^62; an odd step
+    def _next(self, position: torch.Tensor, stride: torch.Tensor) -> torch.Tensor:
+        position = position + stride  # both below num_bits: a compare-subtract, not a division
+        return torch.where(position >= self.bits.numel(), position - self.bits.numel(), position)
 
     def add(self, h: torch.Tensor) -> None:
         """Insert hashed sequences, (3, N)."""
-        first, step = self._pair(h)
-        for i in range(self.num_hashes):
-            self.bits[self._position(first, step, i)] = True
+        position, stride = self._start(h)
+        for _ in range(self.num_hashes):
+            self.bits[position] = True
+            position = self._next(position, stride)
 
     def members(self, h: torch.Tensor) -> torch.Tensor:
         """The indices of the hashed sequences (3, N) that may be in the filter (never a false
         negative). Each hash function looks only at the candidates the previous ones left."""
-        first, step = self._pair(h)
+        position, stride = self._start(h)
         alive = torch.arange(h.shape[1], device=h.device)
-        for i in range(self.num_hashes):
-            alive = alive[self.bits[self._position(first[alive], step[alive], i)]]
+        for _ in range(self.num_hashes):
+            keep = self.bits[position]
+            alive, position, stride = alive[keep], position[keep], stride[keep]
             if alive.numel() == 0:
                 break
+            position = self._next(position, stride)
         return alive
 
     def contains(self, h: torch.Tensor) -> torch.Tensor:
@@ -151,12 +167,12 @@ class ProtectedNgrams:
         num_ngrams = sum(max(len(s) - ngram + 1, 0) for s in sequences)
         ngrams = BloomFilter.sized(num_ngrams, false_positive_rate)
         prefixes = BloomFilter.sized(num_ngrams, PREFIX_FALSE_POSITIVE_RATE)
-        for sequence in sequences:
-            if len(sequence) >= ngram:
-                windows = torch.tensor(sequence, dtype=torch.int64).unfold(0, ngram, 1)  # (count, n)
-                h = _hash_prefixes(windows[:, :-1])
-                prefixes.add(h)
-                ngrams.add(_extend(h, windows[:, -1]))
+        windows = [torch.tensor(s, dtype=torch.int64).unfold(0, ngram, 1) for s in sequences if len(s) >= ngram]
+        if windows:
+            windows = torch.cat(windows)  # (num_ngrams, n)
+            h = _hash_prefixes(windows[:, :-1])
+            prefixes.add(h)
+            ngrams.add(_extend(h, windows[:, -1]))
         return cls(ngram, ngrams, prefixes, num_ngrams=num_ngrams, num_tokens=sum(len(s) for s in sequences))
 
     @classmethod
@@ -188,8 +204,7 @@ class ProtectedNgrams:
         rows = self.prefixes.contains(h).nonzero().squeeze(1)
         if rows.numel() == 0:
             return blocked
-        candidates = _extend(h[:, rows, None], torch.arange(vocab_size, device=prefixes.device)[None, :])
-        found = self.ngrams.members(candidates.reshape(3, -1))
+        found = self.ngrams.members(_extend_by_every_token(h[:, rows], vocab_size).reshape(3, -1))
         blocked[rows[found // vocab_size], found % vocab_size] = True
         return blocked
 
