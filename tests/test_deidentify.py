@@ -150,3 +150,46 @@ def test_node_corpus_file_overrides_the_run_config(tmp_path, tiny_config):
     assert read_corpus(corpus) == ["patient id 4821-9930"]
     with pytest.raises(ConfigError, match=r"deidentify\.corpus_file='/elsewhere' is invalid"):
         with_node_corpus(tiny_config(), "/elsewhere")
+
+
+def test_memorised_secrets_are_never_reproduced_with_the_filter(models, tiny_config):
+    """A deliberately memorising setup (the adapter fitted for many epochs on two secrets, no
+    DP): unfiltered, greedy and sampled decoding reproduce the secrets; filtered, never."""
+    tokenizer, policy = models.tokenizer, models.policy
+    secrets = {"1=": "4821-9930", "2=": "1357-2468"}
+    texts = [tokenizer.bos_token + prompt + secret + tokenizer.eos_token for prompt, secret in secrets.items()]
+    batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
+    saved = models.adapters.get_arrays()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    torch.manual_seed(0)
+    try:
+        policy.train()
+        for _ in range(100):
+            loss = policy(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        policy.eval()
+        prompts = tokenizer([tokenizer.bos_token + p for p in secrets], return_tensors="pt",
+                            add_special_tokens=False)
+        processors = LogitsProcessorList([NoVerbatimNgrams(
+            ProtectedNgrams.from_texts(tokenizer, list(secrets.values()), ngram=NGRAM))])
+
+        def outputs(processors, sample):
+            torch.manual_seed(1)
+            ids = policy.generate(**prompts, max_new_tokens=10, do_sample=sample, num_return_sequences=16 if sample
+                                  else 1, pad_token_id=tokenizer.pad_token_id, logits_processor=processors)
+            return tokenizer.batch_decode(ids[:, prompts["input_ids"].shape[1]:], skip_special_tokens=True)
+
+        def reproduced(texts):
+            return sum(any(secret in text for secret in secrets.values()) for text in texts)
+
+        assert reproduced(outputs(None, sample=False)) == 2  # every secret memorised
+        assert reproduced(outputs(None, sample=True)) > 0
+        assert reproduced(outputs(processors, sample=False)) == 0
+        assert reproduced(outputs(processors, sample=True)) == 0
+        fragments = {secret[i:i + NGRAM] for secret in secrets.values() for i in range(len(secret) - NGRAM + 1)}
+        assert not any(f in text for f in fragments for text in outputs(processors, sample=True))
+    finally:
+        models.adapters.set_arrays(saved)
