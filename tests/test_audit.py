@@ -102,3 +102,14 @@ def test_too_few_canaries_to_bound_anything():
 def test_bad_audit_options_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         AuditConfig(**kwargs)
+
+
+def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
+    from flwr_verl.audit import main
+
+    out = tmp_path / "audit.jsonl"
+    assert main(["--canaries", "4", "--guesses", "4", "--out", str(out)]) == 2
+    assert "audit.canaries=4 is invalid" in capsys.readouterr().err
+    assert main(["--clients", "2", "--canary-client", "2", "--out", str(out)]) == 2
+    assert "audit.canary_client=2 is invalid: must be a partition in [0, 2)" in capsys.readouterr().err
+    assert not out.exists()

@@ -193,3 +193,34 @@ def test_memorised_secrets_are_never_reproduced_with_the_filter(models, tiny_con
         assert not any(f in text for f in fragments for text in outputs(processors, sample=True))
     finally:
         models.adapters.set_arrays(saved)
+
+
+def test_serving_api_loads_the_runs_adapter_and_filters(tmp_path, models, val_rows, tiny_config):
+    import dataclasses
+    import json
+
+    from flwr_verl.config import RunConfig
+    from flwr_verl.deidentify import deidentified_generation
+
+    run = tmp_path / "run-1"
+    models.adapters.save(run / "adapters" / "final")
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(RunConfig(engine=tiny_config()))))
+    answers = [row["prompt"][0]["content"] + row["reward_model"]["ground_truth"] for row in val_rows]
+    model, tokenizer, processors = deidentified_generation(run, answers, ngram=NGRAM)
+    saved = dict(zip(models.adapters.names, models.adapters.get_arrays()))
+    loaded = {f"policy/{name}": p.detach().numpy() for name, p in model.named_parameters() if "lora" in name}
+    assert loaded and all((loaded[name] == saved[name]).all() for name in loaded)
+    prompts = tokenizer([prompt_text(row, tokenizer) for row in val_rows[:16]], return_tensors="pt",
+                        padding=True, add_special_tokens=False)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    plain = model.generate(**prompts, **kwargs)
+    filtered = model.generate(**prompts, logits_processor=processors, **kwargs)
+    protected = {g for ids in tokenizer(answers, add_special_tokens=False)["input_ids"] for g in _ngrams(ids, NGRAM)}
+    width = prompts["input_ids"].shape[1]
+
+    def emitted(ids):
+        return {tuple(s[i - NGRAM + 1:i + 1]) for s in ids.tolist() for i in range(width, len(s))} & protected
+
+    assert emitted(plain) and not emitted(filtered)
+    with pytest.raises(FileNotFoundError, match="is not a PEFT adapter directory"):
+        deidentified_generation(tmp_path / "nothing", answers)
