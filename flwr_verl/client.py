@@ -100,6 +100,7 @@ from flwr_verl.trainer import LocalPPOTrainer
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
 NODE_CLIENT_ID = "client-id"  # node-config key: the name this client gives itself in reports and error lines
 NODE_REWARD_MODEL_PATH = "reward-model-path"  # node-config key: this node's own reward model (never sent)
+NODE_DEIDENTIFY_CORPUS = "deidentify-corpus-file"  # node-config key: this node's protected text (deidentify.py)
 
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
@@ -372,6 +373,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
     config, reward_model_key = with_node_reward_model(config, context.node_config.get(NODE_REWARD_MODEL_PATH))
     budget = LocalBudget.from_node_config(context.node_config)
+    config = with_node_corpus(config, context.node_config.get(NODE_DEIDENTIFY_CORPUS))
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
@@ -421,3 +423,13 @@ def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:
     federation_budget = config.privacy.epsilon_budget
     strictest = min(float(budget), federation_budget) if federation_budget > 0 else float(budget)
     return dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, epsilon_budget=strictest))
+
+
+def with_node_corpus(config: EngineConfig, corpus_file: Any) -> EngineConfig:
+    """``config`` with the node's own ``deidentify-corpus-file`` as ``deidentify.corpus_file``:
+    each organisation protects its own text, at a path on its own machine."""
+    if corpus_file is None:
+        return config
+    if not isinstance(corpus_file, str):
+        raise ConfigError(f"node config {NODE_DEIDENTIFY_CORPUS}={corpus_file!r} is invalid: must be a path string")
+    return dataclasses.replace(config, deidentify=dataclasses.replace(config.deidentify, corpus_file=corpus_file))

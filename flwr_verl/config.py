@@ -332,6 +332,31 @@ class PrivacyConfig:
 
 
 @dataclass
+class DeidentifyConfig:
+    """Generation-time de-identification (``deidentify.py``, MemFree decoding): this
+    organisation's rollouts and evaluations never emit an n-gram of its protected text. The
+    filter is built on the node and never leaves it."""
+
+    enabled: bool = False
+    ngram: int = 6  # tokens per protected n-gram
+    false_positive_rate: float = 1e-4  # chance that the Bloom filter blocks an innocent candidate token
+    protect_prompts: bool = True  # the organisation's training prompts are protected text
+    corpus_file: str = ""  # more protected text on the node: .jsonl (a "text" per line) or a passage per line
+
+    def __post_init__(self) -> None:
+        require(not isinstance(self.ngram, bool) and self.ngram >= 2, "deidentify.ngram", self.ngram,
+                "must be an integer >= 2")
+        require(0 < self.false_positive_rate < 1, "deidentify.false_positive_rate", self.false_positive_rate,
+                "must be in (0, 1)")
+        if self.corpus_file:
+            require(Path(self.corpus_file).expanduser().is_file(), "deidentify.corpus_file", self.corpus_file,
+                    "must be an existing file on this node")
+        if self.enabled:
+            require(self.protect_prompts or bool(self.corpus_file), "deidentify.corpus_file", self.corpus_file,
+                    "must name a file when deidentify.protect_prompts=false (else nothing is protected)")
+
+
+@dataclass
 class TrainerConfig:
     seed: int = 0
     local_iterations: int = 10  # RL iterations (rollout + update) per fit / per baseline round
@@ -394,6 +419,7 @@ class EngineConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     stage: str = "policy"
+    deidentify: DeidentifyConfig = field(default_factory=DeidentifyConfig)
 
     def __post_init__(self) -> None:
         require(self.stage in STAGES, "stage", self.stage, f"allowed: {', '.join(STAGES)}")
@@ -417,6 +443,11 @@ class EngineConfig:
                     self.actor.loss_agg_mode,
                     f"under privacy.enabled=true allowed: {', '.join(PER_SEQUENCE_AGG_MODES)} "
                     "(token-mean divides by the batch's token count, coupling privacy units)")
+            require(not (self.deidentify.enabled and self.deidentify.protect_prompts), "deidentify.protect_prompts",
+                    self.deidentify.protect_prompts,
+                    "under privacy.enabled=true only false: a filter made of the training prompts makes every "
+                    "prompt's rollouts depend on the other prompts, coupling privacy units (protect a "
+                    "deidentify.corpus_file in training, and the prompts at serving: deidentify.deidentified_generation)")
             require(not (self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl_type == "adaptive"),
                     "algorithm.kl_ctrl.type", self.algorithm.kl_ctrl_type,
                     "under privacy.enabled=true only 'fixed' (an adaptive coefficient is fitted to batch statistics)")

@@ -37,8 +37,10 @@ def generate(
     n: int | None = None,
     greedy: bool = False,
     uid_offset: int = 0,
+    logits_processor=None,
 ) -> DataProto:
-    """``n`` (default ``config.n``) responses for each of ``rows``."""
+    """``n`` (default ``config.n``) responses for each of ``rows``; ``logits_processor`` goes to
+    ``generate`` as is (``deidentify.build_processors``)."""
     n = config.n if n is None else n
     device = next(model.parameters()).device
     texts = [prompt_text(row, tokenizer) for row in rows]
@@ -55,7 +57,8 @@ def generate(
     model.eval()
     output = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=config.response_length,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, logits_processor=logits_processor,
+        **sampling,
     )
     responses = output[:, prompt_ids.shape[1]:]
     pad = config.response_length - responses.shape[1]  # generation may stop early for all rows

@@ -42,6 +42,7 @@ from flwr_verl._verl import (
 )
 from flwr_verl.config import EngineConfig
 from flwr_verl.data import Row
+from flwr_verl.deidentify import build_processors
 from flwr_verl.models import Models, build_models
 from flwr_verl.privacy import IterationMechanism, PrivateUpdate, make_private, sample_rate
 from flwr_verl.protocol import EvaluateReport
@@ -207,6 +208,9 @@ class LocalPPOTrainer:
         self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss)
         self.num_mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
         self.log_prob_passes = LogProbPasses.needed(config, self.num_mini_batches, self.policy)
+        # MemFree filter of this organisation's protected text (None when deidentify is off)
+        self.logits_processor = build_processors(
+            config.deidentify, self.tokenizer, (m["content"] for row in train_rows for m in row["prompt"]))
 
     # ------------------------------------------------------------------ public API
     def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
@@ -251,7 +255,7 @@ class LocalPPOTrainer:
         if not rows:
             return None
         batch = generate(self.policy, self.tokenizer, rows, self.config.rollout,
-                         self.config.data.max_prompt_length, n=1, greedy=True)
+                         self.config.data.max_prompt_length, n=1, greedy=True, logits_processor=self.logits_processor)
         scores = self.reward_fn(batch).sum(-1)
         return EvaluateReport(reward=scores.mean().item(), accuracy=(scores >= 1.0).float().mean().item())
 
@@ -266,12 +270,13 @@ class LocalPPOTrainer:
             return {"prompts": 0.0}
 
         with _timed(timings, "rollout"):
-            batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length)
+            batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
+                             logits_processor=self.logits_processor)
         with _timed(timings, "reward"):
             batch.batch["token_level_scores"] = self.train_reward(batch)
             if cfg.algorithm.adv_estimator == "remax":  # baseline: reward of the greedy response
                 greedy = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
-                                  n=1, greedy=True)
+                                  n=1, greedy=True, logits_processor=self.logits_processor)
                 baseline = self.train_reward(greedy).sum(-1)
                 batch.batch["reward_baselines"] = baseline.repeat_interleave(cfg.rollout.n)
         with _timed(timings, "log_prob"):

@@ -1,0 +1,151 @@
+"""Cost of generation-time de-identification (``flwr_verl.deidentify``, MemFree decoding).
+
+Rollout generation (``rollout.generate``, sampled, as in training) is timed with and without the
+filter on the same prompts, side by side, alternating the order every repeat; the figure is the
+median over repeats of (filtered time / unfiltered time) in the same repeat, with its range.
+Two workloads:
+
+* ``embedded``: the default job's rollout (embedded model, 32 prompts x 4 responses, 8 new
+  tokens), protecting the organisation's 2,048 training prompts (6-grams). Generation rarely
+  continues a protected prefix, so the filter mostly costs its prefix check.
+* ``wide-vocab``: a random Llama (hidden 256, 2 layers, vocabulary 32,000), 8 prompts x 4
+  responses, 16 new tokens, protecting 2,000 random 64-token passages. Every prompt is the
+  start of a protected passage, so each response's first step checks the whole vocabulary
+  (the later ones rarely continue a protected prefix). The worst case, every row of every step
+  continuing a protected prefix, is timed as the processor alone on one step's scores
+  (``full_check_ms_per_step``), beside one decoding step of the model (``decode_ms_per_step``).
+
+Also reported: the filter's size in bytes per protected token (both Bloom filters, packed) and
+the time to build it.
+
+    python benchmarks/deidentify_overhead.py [--repeats 7] [--out benchmarks/results/deidentify_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def embedded_workload():
+    from flwr_verl.config import engine_config
+    from flwr_verl.data import load_rows
+    from flwr_verl.models import build_models
+
+    config = engine_config(privacy={"enabled": False})
+    models = build_models(config.model, with_critic=False)
+    train = load_rows(config.data, "train", seed=0)
+    texts = [m["content"] for row in train for m in row["prompt"]]
+    return models.policy, models.tokenizer, train[: config.data.train_batch_size // 2], config, texts, None
+
+
+def wide_vocab_workload():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from flwr_verl.config import engine_config
+
+    vocab = 32_000
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256))
+    policy = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).eval()
+    # A word-level tokenizer whose words are the token ids: "t123" -> 123.
+    words = {"<pad>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab)}}
+    backend = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        padding_side="left")
+    passages = torch.randint(2, vocab, (2000, 64), generator=torch.Generator().manual_seed(1)).tolist()
+    texts = [" ".join(f"t{t}" for t in passage) for passage in passages]
+    rows = [{"data_source": "synthetic", "prompt": [{"role": "user", "content": " ".join(text.split()[:16])}],
+             "reward_model": {"ground_truth": ""}} for text in texts[:8]]
+    config = engine_config(privacy={"enabled": False}, rollout={"response_length": 16},
+                           data={"max_prompt_length": 64})
+    return policy, tokenizer, rows, config, texts, vocab
+
+
+def measure(name: str, workload, repeats: int, warmup: int) -> dict:
+    import torch
+    from transformers import LogitsProcessorList
+
+    from flwr_verl.deidentify import NoVerbatimNgrams, ProtectedNgrams
+    from flwr_verl.rollout import generate
+
+    policy, tokenizer, rows, config, texts, _ = workload()
+    start = time.perf_counter()
+    protected = ProtectedNgrams.from_texts(tokenizer, texts, ngram=6, false_positive_rate=1e-4)
+    build_seconds = time.perf_counter() - start
+    processors = LogitsProcessorList([NoVerbatimNgrams(protected)])
+    variants = {"plain": None, "filtered": processors}
+    times = {v: [] for v in variants}
+    for repeat in range(warmup + repeats):
+        order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
+        for variant in order:
+            torch.manual_seed(repeat)
+            begin = time.perf_counter()
+            generate(policy, tokenizer, rows, config.rollout, config.data.max_prompt_length,
+                     logits_processor=variants[variant])
+            if repeat >= warmup:
+                times[variant].append(time.perf_counter() - begin)
+    ratios = sorted(f / p for f, p in zip(times["filtered"], times["plain"]))
+    # Worst case: every row's context is a protected prefix (the first 5 tokens of a passage).
+    ids = [s for s in tokenizer(texts, add_special_tokens=False)["input_ids"] if len(s) >= protected.ngram]
+    context = torch.tensor([s[: protected.ngram - 1] for s in ids[: len(rows) * config.rollout.n]])
+    scores = torch.randn(context.shape[0], policy.config.vocab_size)
+    full = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        processors[0](context, scores)
+        full.append(time.perf_counter() - begin)
+    return {
+        "workload": name, "prompts": len(rows), "responses_per_prompt": config.rollout.n,
+        "new_tokens": config.rollout.response_length, "vocab_size": policy.config.vocab_size,
+        "protected_tokens": protected.num_tokens, "protected_ngrams": protected.num_ngrams, "ngram": protected.ngram,
+        "false_positive_rate": 1e-4, "filter_bytes": protected.nbytes,
+        "bytes_per_protected_token": protected.nbytes / protected.num_tokens,
+        "build_seconds": build_seconds, "repeats": repeats, "torch_threads": torch.get_num_threads(),
+        "generate_seconds_median": {v: statistics.median(t) for v, t in times.items()},
+        "slowdown_median": statistics.median(ratios), "slowdown_range": [ratios[0], ratios[-1]],
+        "full_check_ms_per_step": 1000 * statistics.median(full),
+        "decode_ms_per_step": 1000 * statistics.median(times["plain"]) / config.rollout.response_length,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "deidentify_overhead.json")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    results = [measure("embedded", embedded_workload, args.repeats, args.warmup),
+               measure("wide-vocab", wide_vocab_workload, args.repeats, args.warmup)]
+    for r in results:
+        lo, hi = r["slowdown_range"]
+        print(f"{r['workload']:10s} vocab {r['vocab_size']:6d}, {r['prompts']}x{r['responses_per_prompt']} x "
+              f"{r['new_tokens']} tokens: generate {1000 * r['generate_seconds_median']['plain']:.1f} ms -> "
+              f"{1000 * r['generate_seconds_median']['filtered']:.1f} ms, slowdown {r['slowdown_median']:.3f}x "
+              f"(range {lo:.3f}-{hi:.3f}); filter {r['filter_bytes']} B for {r['protected_tokens']} protected "
+              f"tokens = {r['bytes_per_protected_token']:.2f} B/token, built in {r['build_seconds']:.2f} s; "
+              f"worst-case check {r['full_check_ms_per_step']:.2f} ms/step vs decode {r['decode_ms_per_step']:.2f} "
+              "ms/step")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""One-run privacy audit: an empirical lower bound on epsilon from a single federated training run.
+
+Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (NeurIPS 2023):
+
+1. m canaries are drawn; each is included, independently with probability 1/2, in one
+   client's private prompts (``make_canaries``, ``run_audit``);
+2. the federation trains once, as configured (in one process: ``inprocess.InProcessClients``,
+   the same clients, strategy and typed messages as over Flower's wire; SecAgg+ only hides the
+   individual updates from the server, it does not change the released model);
+3. every canary is scored black-box under the final global adapter: how much training raised the
+   log-probability of its secret on its own prompt, beyond what it raised that answer on the
+   other canaries' prompts (``score_canaries``);
+4. the k top-scored canaries are guessed members and the k bottom-scored non-members;
+5. the number v of correct guesses out of r = 2k gives an epsilon that the mechanism cannot have
+   at 95% confidence (``epsilon_lower_bound``, the paper's Theorem 5.2 / its Algorithm for
+   (epsilon, delta)): under (epsilon, delta)-DP, P[v or more correct] <= P[Binomial(r,
+   e^eps / (1 + e^eps)) >= v] + 2 m delta alpha, with alpha from the binomial's lower tail.
+
+Why these canaries suit RL on prompts. A canary is a prompt that occurs nowhere else (digits and
+dashes, ``<x>-<y>-<z>=``) with a secret answer, one random digit, drawn independently of
+everything else; its reward is 1 when a response starts with that digit. So (a) the only way
+the model can learn a canary's secret is from the rewarded rollouts of that very prompt, and a
+non-member's secret is independent of the trained model: nothing in the rest of the data pulls
+its score either way; (b) a one-digit secret is sampled by the initial policy often enough that
+GRPO/RLOO see a reward difference within the prompt's group and the gradient is not zero (a long
+secret would never be sampled, and an RL update never sees a target it does not sample); (c) one
+canary is one privacy unit of the DP guarantee (a prompt with all its responses and rewards), so
+the bound speaks about exactly what epsilon claims to protect.
+
+Power is not shown yet. On the embedded model, in a configuration that trains in about a
+minute on an idle machine (2 clients, 3 rounds of 10 iterations, 40 canaries, 12 guesses), DP off
+gave 9 of 12 correct guesses, which bounds nothing at 95% (at least 10 of 12 are needed for a
+positive bound, 12 of 12 for about 1.26): the tiny model learns too little about each canary
+in so few updates. The statistics are tested against the paper's formulas (tests/test_audit.py).
+The bound is a lower bound: a small value proves nothing about a large epsilon; one audit run
+with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
+
+    flwr-verl-audit [run-config.toml] --set privacy.enabled=false --canaries 64 --guesses 16 --out audit.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.stats
+import torch
+
+from flwr_verl.config import EngineConfig, FederationConfig, FlwrVerlError, require
+from flwr_verl.data import Row, load_rows, prompt_text
+
+CANARY_SOURCE = "flwr_verl/canary"
+SECRETS = tuple("0123456789")  # the alphabet of secret answers
+
+
+# ----------------------------------------------------------------------------- the statistics
+def p_value(m: int, r: int, v: int, epsilon: float, delta: float = 0.0) -> float:
+    """The largest probability that an (epsilon, delta)-DP mechanism lets an auditor make v or
+    more correct guesses out of r, with m canaries each included with probability 1/2
+    (Steinke et al. 2023, Theorem 5.2 and their Algorithm for approximate DP)."""
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"need 0 <= correct={v} <= guesses={r} <= canaries={m}")
+    q = 1.0 / (1.0 + math.exp(-epsilon))  # the accuracy of epsilon-DP randomized response
+    tail = scipy.stats.binom.sf(v - 1, r, q)  # P[Binomial(r, q) >= v]
+    if delta == 0 or v == 0:
+        return float(min(tail, 1.0))
+    # alpha = max_i P[v - i <= Binomial(r, q) < v] / i
+    below = np.cumsum(scipy.stats.binom.pmf(np.arange(v - 1, -1, -1), r, q))
+    alpha = float(np.max(below / np.arange(1, v + 1)))
+    return float(min(tail + 2 * m * delta * alpha, 1.0))
+
+
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, confidence: float = 0.95) -> float:
+    """The largest epsilon that v correct guesses out of r reject at ``confidence``: the
+    mechanism is not (epsilon, delta)-DP for any smaller epsilon, except with probability
+    1 - confidence. 0 when the guesses reject nothing."""
+    beta = 1.0 - confidence
+    if p_value(m, r, v, 0.0, delta) >= beta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while p_value(m, r, v, high, delta) < beta:
+        low, high = high, 2 * high
+    for _ in range(60):  # keep p_value(low) < beta <= p_value(high)
+        middle = (low + high) / 2
+        low, high = (middle, high) if p_value(m, r, v, middle, delta) < beta else (low, middle)
+    return low
+
+
+def fewest_canaries(confidence: float) -> int:
+    """Below this many canaries even all-correct guesses (probability 2^-m at epsilon 0) reject nothing."""
+    return math.floor(math.log2(1 / (1 - confidence))) + 1
+
+
+# ----------------------------------------------------------------------------- the audit
+@dataclass
+class AuditConfig:
+    """``canaries``: m; ``guesses``: r (k = r/2 guessed members, k non-members);
+    ``canary_client``: the partition whose data holds the included canaries."""
+
+    canaries: int = 64
+    guesses: int = 16
+    confidence: float = 0.95
+    canary_client: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        least = fewest_canaries(self.confidence) if 0 < self.confidence < 1 else 1
+        require(0 < self.confidence < 1, "audit.confidence", self.confidence, "must be in (0, 1)")
+        require(self.canaries >= least, "audit.canaries", self.canaries,
+                f"must be >= {least} at confidence {self.confidence:g}: with fewer, even all-correct guesses "
+                "bound nothing (each is right by chance with probability 1/2)")
+        require(self.guesses >= least and self.guesses % 2 == 0 and self.guesses <= self.canaries, "audit.guesses",
+                self.guesses, f"must be even, >= {least} and <= audit.canaries={self.canaries}")
+        require(self.canary_client >= 0, "audit.canary_client", self.canary_client, "must be >= 0")
+
+
+@dataclass
+class AuditResult:
+    canaries: int
+    guesses: int
+    correct: int
+    confidence: float
+    delta: float  # the delta the bound is computed at (the run's privacy.delta; 0 without DP)
+    epsilon_lower_bound: float
+    epsilon_claimed: float  # what the canary client reported (inf without DP)
+    members: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"audit": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                          for k, v in dataclasses.asdict(self).items()}}
+
+
+def make_canaries(count: int, rng: np.random.Generator) -> list[Row]:
+    """``count`` unique canary prompts, each with a secret one-digit answer (module docstring)."""
+    seen: set[str] = set()
+    rows = []
+    while len(rows) < count:
+        text = "-".join(str(x) for x in rng.integers(10, 100, size=3)) + "="
+        if text in seen:
+            continue
+        seen.add(text)
+        rows.append({"data_source": CANARY_SOURCE, "prompt": [{"role": "user", "content": text}],
+                     "reward_model": {"ground_truth": SECRETS[rng.integers(len(SECRETS))]},
+                     "extra_info": {"canary": len(rows)}})
+    return rows
+
+
+def with_canary_reward(compute_score):
+    """``compute_score`` that also scores canaries: 1 when the response starts with the secret."""
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == CANARY_SOURCE:
+            return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0
+        return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    return score
+
+
+@torch.no_grad()
+def answer_log_probs(policy, tokenizer, canaries: list[Row]) -> np.ndarray:
+    """log p(answer | canary prompt) under ``policy``'s current adapter, for every canary and
+    every possible secret: (m, len(SECRETS))."""
+    policy.eval()
+    device = next(policy.parameters()).device
+    answers = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in SECRETS]
+    out = np.zeros((len(canaries), len(SECRETS)))
+    for i, row in enumerate(canaries):
+        prompt = tokenizer(prompt_text(row, tokenizer), add_special_tokens=False)["input_ids"]
+        for j, answer in enumerate(answers):
+            ids = torch.tensor([prompt + answer], device=device)
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+            out[i, j] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(answer, device=device)[:, None]).sum()
+    return out
+
+
+def score_canaries(before: np.ndarray, after: np.ndarray, canaries: list[Row]) -> np.ndarray:
+    """Black-box membership scores: how much more likely training made each canary's secret on
+    its own prompt than the same answer on the other canaries' prompts. The second term removes
+    what training on the member canaries taught about canary-like prompts in general (a digit
+    that many members share gets likelier after every dashed prompt), which would otherwise
+    lift a non-member whose secret is that digit."""
+    change = after - before  # (m, answers)
+    secret = np.array([SECRETS.index(row["reward_model"]["ground_truth"]) for row in canaries])
+    own = change[np.arange(len(canaries)), secret]
+    others = (change[:, secret].sum(0) - own) / max(len(canaries) - 1, 1)
+    return own - others
+
+
+def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
+    """Correct guesses when the top ``guesses/2`` scores are called members and the bottom ones not."""
+    order = np.argsort(-scores, kind="stable")
+    k = guesses // 2
+    return int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
+
+
+def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditConfig, *, num_clients: int = 2,
+              models=None, log=print) -> AuditResult:
+    """Train the federation once with the canaries planted, and bound epsilon (module docstring)."""
+    from flwr_verl.client import VerlClient, cached_models
+    from flwr_verl.inprocess import InProcessClients, fit_round
+    from flwr_verl.protocol import FitReport
+    from flwr_verl.rewards import resolve_compute_score
+    from flwr_verl.strategy import FedProxAdapters
+
+    require(0 <= audit.canary_client < num_clients, "audit.canary_client", audit.canary_client,
+            f"must be a partition in [0, {num_clients})")
+    start = time.perf_counter()
+    rng = np.random.default_rng(audit.seed)
+    canaries = make_canaries(audit.canaries, rng)
+    included = rng.random(audit.canaries) < 0.5
+    models = models or cached_models(engine)
+    score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
+    seed = engine.trainer.seed
+    clients = {}
+    for pid in range(num_clients):
+        rows = load_rows(engine.data, "train", seed, pid, num_clients)
+        if pid == audit.canary_client:
+            rows = rows + [c for c, member in zip(canaries, included) if member]
+        clients[str(pid)] = VerlClient(engine, rows, [], partition_id=pid, models=models, compute_score=score)
+    federation = dataclasses.replace(
+        federation, min_fit_clients=num_clients, min_available_clients=num_clients,
+        min_evaluate_clients=num_clients, fraction_fit=1.0,
+        secagg=dataclasses.replace(federation.secagg, enabled=False))
+    initial = models.adapters.get_arrays()
+    strategy = FedProxAdapters(federation, initial, local_iterations=engine.trainer.local_iterations)
+    manager = InProcessClients(clients)
+    claimed = math.inf if not engine.privacy.enabled else 0.0
+    for server_round in range(1, federation.num_server_rounds + 1):
+        results, _ = fit_round(strategy, manager, server_round)
+        for proxy, res in results:
+            report = FitReport.from_metrics(res.metrics)
+            if proxy.cid == str(audit.canary_client) and report.privacy is not None:
+                claimed = report.privacy.epsilon_total
+        log(f"audit: round {server_round}/{federation.num_server_rounds} done")
+    adapters = models.adapters
+    adapters.set_arrays(initial)
+    before = answer_log_probs(models.policy, models.tokenizer, canaries)
+    adapters.set_arrays(strategy.global_arrays)
+    after = answer_log_probs(models.policy, models.tokenizer, canaries)
+    correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
+    delta = engine.privacy.delta if engine.privacy.enabled else 0.0
+    bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
+    return AuditResult(canaries=audit.canaries, guesses=audit.guesses, correct=correct, confidence=audit.confidence,
+                       delta=delta, epsilon_lower_bound=bound, epsilon_claimed=claimed, members=int(included.sum()),
+                       seconds=time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- the command
+def main(argv: list[str] | None = None) -> int:
+    """``flwr-verl-audit``: train once with canaries planted and print the epsilon lower bound
+    beside the claimed epsilon; the result is appended to ``--out`` as one JSON line."""
+    from flwr_verl.baseline import read_run_config
+    from flwr_verl.cli import APP_DIR, EXIT_INVALID, app_defaults
+    from flwr_verl.config import parse_run_config
+
+    parser = argparse.ArgumentParser(prog="flwr-verl-audit", description=main.__doc__)
+    parser.add_argument("file", nargs="?", help="run-config TOML, as passed to `flwr run --run-config`")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
+    parser.add_argument("--clients", type=int, default=2, help="clients of the in-process federation")
+    for field in dataclasses.fields(AuditConfig):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    parser.add_argument("--out", type=Path, default=Path("audit/metrics.jsonl"), help="JSON lines to append to")
+    args = parser.parse_args(argv)
+    try:
+        audit = AuditConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(AuditConfig)})
+        config = parse_run_config({**app_defaults(APP_DIR), **read_run_config(args.file, args.set)})
+        result = run_audit(config.engine, config.federation, audit, num_clients=args.clients)
+    except FlwrVerlError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as handle:
+        handle.write(json.dumps(result.to_json()) + "\n")
+    print(f"{result.correct}/{result.guesses} guesses correct ({result.canaries} canaries): epsilon >= "
+          f"{result.epsilon_lower_bound:.3f} at {100 * result.confidence:g}% confidence; claimed epsilon "
+          f"{result.epsilon_claimed:.3g} (delta {result.delta:g}); wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

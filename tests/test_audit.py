@@ -1,0 +1,115 @@
+"""The one-run privacy audit (Steinke, Nasr & Jagielski 2023): its statistics and its bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from flwr_verl.audit import (
+    AuditConfig,
+    epsilon_lower_bound,
+    fewest_canaries,
+    guess,
+    make_canaries,
+    p_value,
+    score_canaries,
+    with_canary_reward,
+)
+from flwr_verl.config import ConfigError
+
+
+def test_all_correct_guesses_give_the_closed_form_bound():
+    """Pure DP, all r guesses right: P = q^r with q = e^eps/(1+e^eps), so eps = logit(0.05^(1/r))."""
+    for r in (10, 100, 1000):
+        q = 0.05 ** (1 / r)
+        assert epsilon_lower_bound(r, r, r) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
+    assert epsilon_lower_bound(10, 10, 10) == pytest.approx(1.0519, abs=1e-4)
+
+
+def test_pure_dp_p_value_is_the_binomial_tail():
+    assert p_value(1000, 100, 70, 1.0) == pytest.approx(scipy.stats.binom.sf(69, 100, 1 / (1 + math.exp(-1))))
+
+
+def test_delta_adds_the_papers_term():
+    """Approximate DP: P <= tail + 2 m delta max_i P[v-i <= Bin(r,q) < v] / i."""
+    m, r, v, eps, delta = 1000, 100, 80, 1.0, 1e-3
+    q = 1 / (1 + math.exp(-eps))
+    alpha = max(sum(scipy.stats.binom.pmf(v - j, r, q) for j in range(1, i + 1)) / i for i in range(1, v + 1))
+    expected = scipy.stats.binom.sf(v - 1, r, q) + 2 * m * delta * alpha
+    assert p_value(m, r, v, eps, delta) == pytest.approx(expected)
+    assert epsilon_lower_bound(m, r, v, delta) < epsilon_lower_bound(m, r, v)
+
+
+def test_bound_is_valid_and_tight_on_randomized_response():
+    """Guesses as accurate as eps-DP randomized response allows: the 95% bound exceeds eps in at
+    most about 5% of trials, and is close to eps with many guesses."""
+    rng = np.random.default_rng(0)
+    eps, r = 2.0, 1000
+    q = 1 / (1 + math.exp(-eps))
+    bounds = [epsilon_lower_bound(r, r, int(rng.binomial(r, q))) for _ in range(200)]
+    assert np.mean(np.array(bounds) > eps) <= 0.08
+    assert np.median(bounds) > 1.6
+
+
+def test_chance_level_guesses_bound_nothing():
+    assert epsilon_lower_bound(100, 100, 50) == 0.0
+    assert epsilon_lower_bound(4, 4, 4) == 0.0  # 2^-4 > 0.05: four canaries can never bound anything
+
+
+def test_guess_counts_top_as_members_and_bottom_as_non_members():
+    included = np.array([True, False, True, False, True, False])
+    scores = np.array([5.0, -3.0, 4.0, -2.0, 0.1, 0.0])
+    assert guess(scores, included, 4) == 4
+    assert guess(-scores, included, 4) == 0
+
+
+def test_scores_remove_what_training_taught_about_canaries_in_general():
+    canaries = make_canaries(4, np.random.default_rng(1))
+    secrets = [int(c["reward_model"]["ground_truth"]) for c in canaries]
+    before = np.zeros((4, 10))
+    after = np.ones((4, 10))  # every answer on every prompt got likelier: nobody stands out
+    assert np.allclose(score_canaries(before, after, canaries), 0)
+    after[2, secrets[2]] += 3.0  # canary 2's own secret on its own prompt
+    assert np.argmax(score_canaries(before, after, canaries)) == 2
+
+
+def test_canaries_are_unique_and_scored_by_their_secret():
+    canaries = make_canaries(50, np.random.default_rng(0))
+    assert len({c["prompt"][0]["content"] for c in canaries}) == 50
+    score = with_canary_reward(lambda *args: -1.0)
+    canary = canaries[0]
+    secret = canary["reward_model"]["ground_truth"]
+    assert score(canary["data_source"], secret + "7", secret) == 1.0
+    assert score(canary["data_source"], str((int(secret) + 1) % 10), secret) == 0.0
+    assert score("other", "x", "y") == -1.0  # other rows keep the task's reward
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_too_few_canaries_to_bound_anything():
+    assert fewest_canaries(0.95) == 5
+    with pytest.raises(ConfigError, match=r"audit\.canaries=4 is invalid: must be >= 5 at confidence 0\.95"):
+        AuditConfig(canaries=4, guesses=4)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"guesses": 7}, r"audit\.guesses=7"),
+    ({"canaries": 10, "guesses": 12}, r"audit\.guesses=12"),
+    ({"confidence": 1.0}, r"audit\.confidence=1\.0"),
+])
+def test_bad_audit_options_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        AuditConfig(**kwargs)
+
+
+def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
+    from flwr_verl.audit import main
+
+    out = tmp_path / "audit.jsonl"
+    assert main(["--canaries", "4", "--guesses", "4", "--out", str(out)]) == 2
+    assert "audit.canaries=4 is invalid" in capsys.readouterr().err
+    assert main(["--clients", "2", "--canary-client", "2", "--out", str(out)]) == 2
+    assert "audit.canary_client=2 is invalid: must be a partition in [0, 2)" in capsys.readouterr().err
+    assert not out.exists()
