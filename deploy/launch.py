@@ -195,8 +195,43 @@ class LocalDeployment:
         if self.auth:
             command += ["--enable-supernode-auth"]
         self._record(command, f"FLWR_HOME={self.flwr_home}")
-        self.superlink = _spawn(command, self.env, self.superlink_log, self.root)
-        wait_for_line(self.superlink, self.superlink_log, "Uvicorn running on", 60, what="the SuperLink to start")
+        start = self.superlink_log.stat().st_size if self.superlink_log.exists() else 0  # a restart appends
+        self.superlink = _spawn(command, self.env, self.superlink_log, self.root, append=True)
+        wait_for_line(self.superlink, self.superlink_log, "Uvicorn running on", 60, what="the SuperLink to start",
+                      start=start)
+
+    def kill_superlink(self) -> None:
+        """SIGKILL the SuperLink and everything it spawned (SuperExec, a running ServerApp), as a
+        crash of the server's machine would. Its database (``state.db``) stays; the SuperNodes
+        keep running and reconnect once ``start_superlink`` has brought it back."""
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(self.superlink.pid)
+            victims = [parent, *parent.children(recursive=True)]
+            for process in victims:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(victims, timeout=10)
+        self.superlink.wait(timeout=10)
+
+    def online_supernodes(self) -> int:
+        """How many SuperNodes the SuperLink counts as online (``flwr supernode ls``)."""
+        done = subprocess.run([flower_executable("flwr"), "supernode", "ls", self.connection, "--format", "json"],
+                              env=self.env, cwd=self.root, capture_output=True, text=True, timeout=60)
+        try:
+            nodes = json.loads(done.stdout).get("nodes", [])
+        except json.JSONDecodeError:
+            return 0
+        return sum(node.get("status") == "online" for node in nodes)
+
+    def wait_online(self, count: int, timeout: float = 120) -> None:
+        """Wait until exactly ``count`` SuperNodes are online (a SIGKILLed node stays online
+        until its heartbeat lapses; a restarted SuperLink waits for the nodes to reconnect)."""
+        deadline = time.monotonic() + timeout
+        while (online := self.online_supernodes()) != count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"waiting for {count} SuperNodes online: {online} after {timeout:g} s; "
+                                   f"see {self.root}/supernode-*.log and {self.superlink_log}")
+            time.sleep(1)
 
     def write_connection(self) -> None:
         lines = ["[superlink]", f'default = "{self.connection}"', "", f"[superlink.{self.connection}]",

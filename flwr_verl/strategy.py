@@ -81,7 +81,7 @@ from flwr_verl.protocol import (
     SecAggBounds,
     TrainingSummary,
 )
-from flwr_verl.secagg import MAX_CLIENTS
+from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
 # A client's one-line error reply, as ``mods.concise_errors`` writes it: "client <id>: <error>"
@@ -277,12 +277,19 @@ class FedProxAdapters(Strategy):
         count = self.config.min_available_clients
         if client_manager.wait_for(count, timeout=self.config.connect_timeout):
             return
-        secagg = (" SecAgg+ needs at least 3 clients: with fewer, set secagg.enabled=false."
-                  if self.secure_aggregation else "")
+        connected = client_manager.num_available()
+        if self.secure_aggregation and connected < MIN_CLIENTS:
+            # Lowering min-*-clients cannot help here, and a resumed run keeps secagg.enabled.
+            more = ("bring SuperNodes back and run again with resume=true to continue after round "
+                    f"{self.completed_round}" if self.completed_round else "start more SuperNodes")
+            fix = (f"SecAgg+ cannot run with {connected} clients (Flower's SecAgg+ needs at least {MIN_CLIENTS}): "
+                   f"{more}, or start a new run with secagg.enabled=false")
+        else:
+            fix = "start more SuperNodes, or lower min-available-clients and min-fit-clients"
         raise RoundFailed(
-            f"round {self.round_number(server_round)}: only {client_manager.num_available()} of "
+            f"round {self.round_number(server_round)}: only {connected} of "
             f"min-available-clients={count} SuperNodes connected after connect-timeout={self.config.connect_timeout:g} "
-            f"s; start more SuperNodes, or lower min-available-clients and min-fit-clients.{secagg}")
+            f"s; {fix}.")
 
     def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
         own = self.privacy_ledger.get(self.client_ids.get(client.cid, ""))

@@ -340,6 +340,41 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_config, 
         load_state(tensors.parent)
 
 
+def test_exchange_matches_replies_to_messages_and_names_the_nodes_that_did_not_answer(monkeypatch):
+    """A client's reply, the SuperLink's "node unavailable" for a node that died (sent by the
+    SuperLink, not by the node) and silence from a node that hangs: each is told apart, and the
+    silent node is a NoReply that names it once the deadline has passed."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.common import GetPropertiesIns, GetPropertiesRes, Message
+    from flwr.common.constant import MessageTypeLegacy
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from flwr_verl.strategy import describe_failures
+    from flwr_verl.workflow import exchange
+
+    for identity in ("_run_id", "_task_id", "_node_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, identity, 1)
+
+    class Grid:
+        def send_and_receive(self, messages, timeout):
+            for message in messages:  # as Flower's grids do when they push a message
+                message.metadata.__dict__["_message_id"] = message.object_id
+            alive, dead, _ = messages
+            ready = compat.getpropertiesres_to_recorddict(GetPropertiesRes(Status(Code.OK, ""), {}))
+            return [create_message_error_unavailable_res_message(dead.metadata, "node_unavail"),
+                    Message(ready, reply_to=alive)]
+
+    proxies = [GridClientProxy(node_id=node, grid=None, run_id=1) for node in (11, 22, 33)]
+    results, failures = exchange(Grid(), [(proxy, GetPropertiesIns({})) for proxy in proxies],
+                                 MessageTypeLegacy.GET_PROPERTIES, 1, timeout=5)
+    assert [proxy.node_id for proxy, _ in results] == [11]
+    unavailable, silent = describe_failures(failures)
+    assert unavailable.startswith("node 22: Error: Node Unavailable") and unavailable.endswith("(Flower error code 5)")
+    assert silent == "NoReply: node 33 sent no get_properties reply within 5 s"
+
+
 # ============================================================================ real processes
 def run_config(out: Path, **overrides) -> dict:
     return {**FAULT_RUN, "output-dir": str(out), **overrides}
@@ -359,16 +394,18 @@ def wait_until(predicate, timeout: float, what: str, process: subprocess.Popen |
 FIT_STAGE = 3  # SecAgg+ sends 4 train messages per round; the 3rd carries the fit instructions
 
 
-def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen) -> None:
-    """Kill SuperNodes ``indices`` as soon as each receives the SecAgg+ fit-stage message of the
-    round that is starting, before its ClientApp can answer."""
+def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen, *, stage: int = FIT_STAGE,
+                      graceful: bool = True) -> None:
+    """Kill SuperNodes ``indices`` as soon as each receives the fit message of the round that is
+    starting (the ``stage``-th train message: 3 under SecAgg+, 1 in the clear), before its
+    ClientApp can answer."""
     baseline = {i: count_in(deployment.supernodes[i].log, "Receiving: train message") for i in indices}
     pending = set(indices)
     deadline = time.monotonic() + 600
     while pending and time.monotonic() < deadline:
         for i in sorted(pending):
-            if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + FIT_STAGE:
-                deployment.kill_supernode(i)
+            if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + stage:
+                deployment.kill_supernode(i, graceful=graceful)
                 pending.discard(i)
         if process.poll() is not None:
             raise AssertionError("the run ended before the fit stage")
@@ -382,6 +419,7 @@ def restart(deployment, indices) -> None:
             deployment.start_supernode(i)
     for i in indices:
         deployment.wait_supernode(i)
+    deployment.wait_online(len(deployment.supernodes))  # a SIGKILLed node's old entry lapses first
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
@@ -608,3 +646,107 @@ def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_
     (run_dir,) = run_directories(out)
     assert not (run_dir / "adapters").exists() or not list((run_dir / "adapters").glob("round-*"))
     assert status == "finished:failed", status
+
+
+# Evaluation on; the clear, with 2 of 3 clients enough to go on; short deadlines bound every wait.
+PLAIN_EVALUATED = {"secagg.enabled": False, "evaluate-every": 1, "min-available-clients": 2, "min-fit-clients": 2,
+                   "fit-timeout": 120.0, "evaluate-timeout": 120.0}
+
+
+@pytest.mark.slow
+def test_a_supernode_lost_mid_fit_round_is_saved_then_evaluated_on_the_survivors(federation, tmp_path):
+    """SuperNode 2 dies as its fit instruction arrives (its ClientApp SIGKILLed mid-fit). The
+    round aggregates the 2 survivors, is checkpointed before it is evaluated, is evaluated on
+    whoever is left (fewer than min-evaluate-clients=3) within evaluate-timeout, and the run
+    finishes. (A node SIGKILLed whole is noticed only when its heartbeat lapses, up to 60 s:
+    the same path, slower; ``test_exchange_names_the_nodes_that_sent_no_reply`` covers the
+    deadline itself.)"""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    config = run_config(out, **{"num-server-rounds": 1, **PLAIN_EVALUATED})
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [2], process, stage=1)
+        text = finish(process, log)
+    finally:
+        restart(federation, [2])
+    (run_dir,) = run_directories(out)
+    before, first = records(run_dir)
+    assert before["round"] == 0 and first["round"] == 1
+    assert first["clients"] == [0, 1] and first["fit"]["num_clients"] == 2, first
+    assert first["fit"]["num_failures"] == 1, first
+    assert "reward" in first["evaluate"] and first["evaluate"]["seconds"] < 120 + 10, first
+    saved, evaluated = text.find("round 1: adapter "), text.find("round 1: held-out greedy reward")
+    assert 0 <= saved < evaluated, text  # the checkpoint exists before evaluation starts
+    assert "round 1: evaluating on the 2 connected clients (min-evaluate-clients=3)" in text, text
+    assert "flwr-verl: finished" in text and "Traceback" not in text, text
+    assert federation.run_status(text) == "finished:completed"
+
+
+@pytest.mark.slow
+def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(federation, tmp_path):
+    """Under SecAgg+ with 3 organisations, SuperNode 2 dies in round 1's fit stage and stays
+    away. Round 1 completes with the 2 survivors, is saved and evaluated on them; round 2 cannot
+    run (SecAgg+ needs 3): after connect-timeout the run fails with one line that says so and how
+    to go on. With the node back, ``resume=true`` runs round 2 from the saved checkpoint."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    config = run_config(out, **{"num-server-rounds": 2, "evaluate-every": 1, "connect-timeout": 5.0,
+                                "evaluate-timeout": 60.0})
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [2], process)
+        text = finish(process, log)
+        (run_dir,) = run_directories(out)
+        kept = [r["round"] for r in records(run_dir)]
+        restart(federation, [2])
+        resumed = federation.flwr_run(REPO, {**config, "resume": True}, timeout=600)
+    finally:
+        restart(federation, [2])
+    assert "Secure aggregation completed" in text and kept == [0, 1], text
+    assert ("round 2: only 2 of min-available-clients=3 SuperNodes connected after connect-timeout=5 s; SecAgg+ "
+            "cannot run with 2 clients (Flower's SecAgg+ needs at least 3): bring SuperNodes back and run again "
+            "with resume=true to continue after round 1, or start a new run with secagg.enabled=false.") in text, text
+    assert "the run directory keeps the adapter of round 1 (" in text and "Traceback" not in text, text
+    assert federation.run_status(text) == "finished:failed"
+
+    resumed_log = resumed.stdout + resumed.stderr
+    assert "continues after round 1 from adapter" in resumed_log, resumed_log
+    rounds = records(run_dir)
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[1]["clients"] == [0, 1] and "reward" in rounds[1]["evaluate"]  # evaluated on the survivors
+    assert rounds[2]["clients"] == [0, 1, 2] and rounds[2]["fit"]["epsilon_total"] > rounds[1]["fit"]["epsilon_total"]
+    assert federation.run_status(resumed_log) == "finished:completed"
+
+
+@pytest.mark.slow
+def test_superlink_killed_mid_run_restarted_and_resumed_from_the_last_checkpoint(federation, tmp_path):
+    """The SuperLink (and the ServerApp it spawned) is SIGKILLed once round 1 is saved, then
+    restarted on the same port and database; the SuperNodes reconnect by themselves. A new
+    ``flwr run`` with ``resume=true`` continues from round 1's checkpoint: the adapter it starts
+    from is the saved one, the privacy ledger carried over, no round is repeated or lost."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    config = run_config(out, **{"num-server-rounds": 2, "secagg.enabled": False})
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), 600,
+                   "the round-1 checkpoint", process)
+        federation.kill_superlink()
+        process.wait(timeout=60)  # `flwr run --stream` loses its SuperLink
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if federation.superlink.poll() is not None:
+            federation.start_superlink()
+    (run_dir,) = run_directories(out)
+    saved = fingerprint([w.numpy() for w in load_state(run_dir / "adapters" / "round-0001")["weights"]])
+    federation.wait_online(3)
+    resumed = federation.flwr_run(REPO, {**config, "resume": True}, timeout=600)
+    text = resumed.stdout + resumed.stderr
+    assert f"continues after round 1 from adapter {saved}" in text, text
+    rounds = records(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert rounds[1]["fit"]["num_clients"] == 3
+    assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the ledger carried over
+    ledgers = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
+                load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
+    assert sorted(ledgers[1]) == ["0", "1", "2"] and all(ledgers[1][c] == 2 * ledgers[0][c] > 0 for c in ledgers[1])
+    assert federation.run_status(text) == "finished:completed"
