@@ -324,6 +324,17 @@ class LocalDeployment:
         return subprocess.run(self.flwr_run_command(app, run_config, extra_args), env=self.env, cwd=self.root,
                               capture_output=True, text=True, timeout=timeout)
 
+    def flwr_verl_run(self, app: Path, run_config: dict | None = None, *,
+                      timeout: float = 600) -> subprocess.CompletedProcess:
+        """``flwr-verl run <app> <connection> --run-config FILE --timeout T``: ``flwr run --stream``
+        whose exit code is the run's outcome (0 completed, 1 failed, 2 invalid config, 3 timed out)."""
+        command = [sys.executable, "-m", "flwr_verl.cli", "run", str(app), self.connection, "--timeout", f"{timeout:g}"]
+        if run_config:
+            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
+                                                             run_config))]
+        return subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True,
+                              timeout=timeout + 300)
+
     def flwr_run_background(self, app: Path, run_config: dict | None, log: Path) -> subprocess.Popen:
         """The same ``flwr run``, started with its output going to ``log``."""
         return _spawn(self.flwr_run_command(app, run_config), self.env, log, self.root)

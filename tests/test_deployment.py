@@ -12,6 +12,7 @@ Every process is stopped at the end, whatever happened (``local_deployment``).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -57,10 +58,10 @@ def deployed_run(deployment, tmp_path_factory):
     out = tmp_path_factory.mktemp("deploy-out")
     config = {**SMALL_RUN, "num-server-rounds": 3, "privacy.epsilon_budget": budget_for_two_rounds(),
               "output-dir": str(out)}
-    done = deployment.flwr_run(REPO, config, timeout=900)
+    done = deployment.flwr_verl_run(REPO, config, timeout=900)  # exits with the run's status
     runs = run_directories(out)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0 and runs, f"flwr run failed:\n{log[-6000:]}"
+    log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
+    assert done.returncode == 0 and runs, f"flwr-verl run failed:\n{log[-6000:]}"
     return runs[-1], log, deployment.run_status(log)
 
 
@@ -99,6 +100,8 @@ def test_secure_aggregation_ran_and_the_run_completed(deployed_run):
     assert log.count("Secure aggregation completed") == 2
     assert "Secure aggregation halted" not in log and "Traceback" not in log
     assert status == "finished:completed", status
+    run_id = re.search(r"Successfully started run (\d+)", log)[1]
+    assert log.splitlines()[-1] == f"flwr-verl: run {run_id} finished:completed", log[-3000:]  # its exit code: 0
 
 
 def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):

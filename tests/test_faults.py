@@ -636,9 +636,10 @@ def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_
     tiny = {"epsilon-budget": 1e-3}
     with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={1: tiny, 2: tiny}) as deployment:
         out = tmp_path / "out"
-        done = deployment.flwr_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
+        done = deployment.flwr_verl_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
         log = done.stdout + done.stderr
         status = deployment.run_status(log)
+    assert done.returncode == 1 and done.stdout.splitlines()[-1].endswith(" finished:failed"), log  # flwr run: 0
     assert re.search(r"round 1: secure aggregation halted at stage '(collect masked vectors|unmask)': "
                      r"1 of 3 sampled clients", log), log
     assert log.count("PrivacyBudgetExhausted: one more round would spend epsilon") >= 2, log
