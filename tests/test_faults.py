@@ -8,10 +8,14 @@ on, and kills real processes:
   (reconstruction threshold 2) and the aggregate is the mean of exactly their updates, which
   this process recomputes (``privacy.deterministic`` makes a client's update reproducible);
 - a client whose fit raises (``inject-failure-partition``): a failure of the round, never
-  aggregated; then the ServerApp is SIGKILLed after round 1 and restarted with ``resume``: it
-  starts from the saved round-1 adapter, bit for bit, and runs round 2, once;
+  aggregated; then the SuperLink (with its ServerApp) is SIGKILLed after round 1, restarted, and
+  the run resumed with ``resume``: it starts from the saved round-1 adapter, bit for bit, with
+  the privacy ledger intact, and runs round 2, once;
 - two SuperNodes killed in the fit stage of round 3: fewer than the threshold survive, the run
-  fails with one line that says why, and the saved adapters are untouched.
+  fails with one line that says why, and the saved adapters are untouched;
+- with evaluation on, a SuperNode lost mid-fit: in the clear the round is saved, then evaluated
+  on the survivors, and the run finishes; under SecAgg+ the 2 left cannot run another round, so
+  the run stops with one line saying so, and resumes once the node is back.
 
 Killed SuperNodes get SIGTERM after their ClientApp got SIGKILL (see
 ``LocalDeployment.kill_supernode``); with SIGKILL the SuperLink would notice only when the
@@ -462,7 +466,9 @@ def test_supernode_killed_during_secagg_round_survivors_complete_it(federation, 
 
 @pytest.fixture(scope="module")
 def failed_client_then_resumed(federation, tmp_path_factory):
-    """Round 1 with partition 1's fit raising; the ServerApp SIGKILLed once round 1 is saved;
+    """Round 1 with partition 1's fit raising; once round 1 is saved the SuperLink is SIGKILLed
+    with everything it spawned (the ServerApp included), as a crash of the server's machine
+    would, and restarted on the same port and database; the SuperNodes reconnect by themselves.
     `flwr run` again with resume=true (and no injected failure) runs round 2."""
     root = tmp_path_factory.mktemp("resume")
     out = root / "out"
@@ -472,19 +478,23 @@ def failed_client_then_resumed(federation, tmp_path_factory):
     try:
         wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), 600,
                    "the round-1 checkpoint", process)
-        servers = federation.serverapp_processes()
-        assert servers, "no ServerApp process found"
-        for server in servers:
-            server.kill()
+        assert federation.serverapp_processes(), "no ServerApp process found"
+        federation.kill_superlink()
+        process.wait(timeout=60)  # `flwr run --stream` loses its SuperLink
     finally:
-        process.kill()
-        process.wait(timeout=30)
+        if process.poll() is None:
+            process.kill()
+        if federation.superlink.poll() is not None:
+            federation.start_superlink()
+    survivors = federation.serverapp_processes()
     (run_dir,) = run_directories(out)
     killed_after = [r["round"] for r in records(run_dir)]
     saved = load_state(run_dir / "adapters" / "round-0001")
+    federation.wait_online(3)
     resumed = federation.flwr_run(REPO, {**first, "resume": True, "inject-failure-partition": -1}, timeout=600)
     return {"run_dir": run_dir, "config": first, "killed_after": killed_after, "saved": saved,
-            "first_log": log1.read_text(errors="replace"), "resumed_log": resumed.stdout + resumed.stderr}
+            "survivors": survivors, "first_log": log1.read_text(errors="replace"),
+            "resumed_log": resumed.stdout + resumed.stderr}
 
 
 @pytest.mark.slow
@@ -502,10 +512,10 @@ def test_failing_client_is_a_failure_of_the_round_and_never_aggregated(failed_cl
 
 
 @pytest.mark.slow
-def test_server_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(failed_client_then_resumed):
+def test_superlink_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(failed_client_then_resumed):
     run = failed_client_then_resumed
     run_dir, log = run["run_dir"], run["resumed_log"]
-    assert run["killed_after"] == [1]
+    assert run["killed_after"] == [1] and not run["survivors"]  # the ServerApp died with its SuperLink
     match = re.search(r"resume: (\S+) continues after round (\d+) from adapter ([0-9a-f]{16})", log)
     assert match, log
     assert Path(match[1]) == run_dir and match[2] == "1"
@@ -516,6 +526,10 @@ def test_server_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(f
     assert [r["round"] for r in rounds] == [1, 2]  # nothing lost, nothing repeated
     assert rounds[1]["fit"]["num_clients"] == 3
     assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the privacy ledger carried over
+    steps = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
+              load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
+    assert sorted(steps[0]) == ["0", "2"] and sorted(steps[1]) == ["0", "1", "2"]  # partition 1 failed in round 1
+    assert all(steps[1][c] == 2 * steps[0][c] > 0 for c in steps[0]) and 0 < steps[1]["1"] == steps[0]["0"]
     assert (run_dir / "adapters" / "final" / "policy").is_dir()
     # Flower counts the resumed run's rounds from 1; the app's own round numbers go on from 2.
     assert "round 2: reward" in log and "round 1: reward" not in log and log.count("Secure aggregation completed") == 1
@@ -716,38 +730,3 @@ def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(feder
     assert rounds[1]["clients"] == [0, 1] and "reward" in rounds[1]["evaluate"]  # evaluated on the survivors
     assert rounds[2]["clients"] == [0, 1, 2] and rounds[2]["fit"]["epsilon_total"] > rounds[1]["fit"]["epsilon_total"]
     assert federation.run_status(resumed_log) == "finished:completed"
-
-
-@pytest.mark.slow
-def test_superlink_killed_mid_run_restarted_and_resumed_from_the_last_checkpoint(federation, tmp_path):
-    """The SuperLink (and the ServerApp it spawned) is SIGKILLed once round 1 is saved, then
-    restarted on the same port and database; the SuperNodes reconnect by themselves. A new
-    ``flwr run`` with ``resume=true`` continues from round 1's checkpoint: the adapter it starts
-    from is the saved one, the privacy ledger carried over, no round is repeated or lost."""
-    out, log = tmp_path / "out", tmp_path / "run.log"
-    config = run_config(out, **{"num-server-rounds": 2, "secagg.enabled": False})
-    process = federation.flwr_run_background(REPO, config, log)
-    try:
-        wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), 600,
-                   "the round-1 checkpoint", process)
-        federation.kill_superlink()
-        process.wait(timeout=60)  # `flwr run --stream` loses its SuperLink
-    finally:
-        if process.poll() is None:
-            process.kill()
-        if federation.superlink.poll() is not None:
-            federation.start_superlink()
-    (run_dir,) = run_directories(out)
-    saved = fingerprint([w.numpy() for w in load_state(run_dir / "adapters" / "round-0001")["weights"]])
-    federation.wait_online(3)
-    resumed = federation.flwr_run(REPO, {**config, "resume": True}, timeout=600)
-    text = resumed.stdout + resumed.stderr
-    assert f"continues after round 1 from adapter {saved}" in text, text
-    rounds = records(run_dir)
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert rounds[1]["fit"]["num_clients"] == 3
-    assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the ledger carried over
-    ledgers = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
-                load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
-    assert sorted(ledgers[1]) == ["0", "1", "2"] and all(ledgers[1][c] == 2 * ledgers[0][c] > 0 for c in ledgers[1])
-    assert federation.run_status(text) == "finished:completed"
