@@ -275,9 +275,12 @@ class FedProxAdapters(Strategy):
         """Wait up to ``connect-timeout`` for ``min-available-clients`` connected clients, then fail
         with what to change (Flower's own ``sample`` would wait 24 hours without a word)."""
         count = self.config.min_available_clients
-        if client_manager.wait_for(count, timeout=self.config.connect_timeout):
+        deadline = time.monotonic() + self.config.connect_timeout
+        # On a Grid, num_available() refreshes the node list; wait_for alone sees it every 5 s.
+        while (connected := client_manager.num_available()) < count and time.monotonic() < deadline:
+            client_manager.wait_for(count, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        if connected >= count:
             return
-        connected = client_manager.num_available()
         if self.secure_aggregation and connected < MIN_CLIENTS:
             # Lowering min-*-clients cannot help here, and a resumed run keeps secagg.enabled.
             more = ("bring SuperNodes back and run again with resume=true to continue after round "

@@ -344,6 +344,24 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_config, 
         load_state(tensors.parent)
 
 
+def test_under_secagg_fewer_than_3_clients_stop_the_run_saying_how_to_go_on():
+    initial = [np.zeros((2, 2), np.float32)]
+    config = FederationConfig(min_fit_clients=3, min_available_clients=3, connect_timeout=0.05,
+                              secagg=SecAggConfig(enabled=True))
+    strategy = FedProxAdapters(config, initial, local_iterations=1, secure_aggregation=SecAggBounds(1.0, 64.0))
+    three, two = InProcessClients.named(["0", "1", "2"]), InProcessClients.named(["0", "1"])
+    cannot = r"SecAgg\+ cannot run with 2 clients \(Flower's SecAgg\+ needs at least 3\): "
+    with pytest.raises(RoundFailed, match=r"round 1: only 2 of min-available-clients=3 SuperNodes connected after "
+                                          r"connect-timeout=0.05 s; " + cannot + "start more SuperNodes, or start a "
+                                          "new run with secagg.enabled=false"):
+        strategy.configure_fit(1, ndarrays_to_parameters(initial), two)
+    strategy.aggregate_fit(1, [(three.proxies[c], fit_res([np.full((2, 2), 0.5)], 8, report(int(c)))) for c in "012"],
+                           [])
+    with pytest.raises(RoundFailed, match=cannot + "bring SuperNodes back and run again with resume=true to "
+                                                   "continue after round 1, or start a new run with"):
+        strategy.configure_fit(2, ndarrays_to_parameters(initial), two)
+
+
 def test_exchange_matches_replies_to_messages_and_names_the_nodes_that_did_not_answer(monkeypatch):
     """A client's reply, the SuperLink's "node unavailable" for a node that died (sent by the
     SuperLink, not by the node) and silence from a node that hangs: each is told apart, and the
@@ -704,8 +722,8 @@ def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(feder
     run (SecAgg+ needs 3): after connect-timeout the run fails with one line that says so and how
     to go on. With the node back, ``resume=true`` runs round 2 from the saved checkpoint."""
     out, log = tmp_path / "out", tmp_path / "run.log"
-    config = run_config(out, **{"num-server-rounds": 2, "evaluate-every": 1, "connect-timeout": 5.0,
-                                "evaluate-timeout": 60.0})
+    config = run_config(out, **{"num-server-rounds": 2, "evaluate-every": 1, "connect-timeout": 20.0,
+                                "evaluate-timeout": 120.0})
     process = federation.flwr_run_background(REPO, config, log)
     try:
         kill_in_fit_stage(federation, [2], process)
@@ -717,7 +735,7 @@ def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(feder
     finally:
         restart(federation, [2])
     assert "Secure aggregation completed" in text and kept == [0, 1], text
-    assert ("round 2: only 2 of min-available-clients=3 SuperNodes connected after connect-timeout=5 s; SecAgg+ "
+    assert ("round 2: only 2 of min-available-clients=3 SuperNodes connected after connect-timeout=20 s; SecAgg+ "
             "cannot run with 2 clients (Flower's SecAgg+ needs at least 3): bring SuperNodes back and run again "
             "with resume=true to continue after round 1, or start a new run with secagg.enabled=false.") in text, text
     assert "the run directory keeps the adapter of round 1 (" in text and "Traceback" not in text, text
