@@ -71,7 +71,7 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
         elif reply.metadata.src_node_id == proxy.node_id:  # the client's own error
             failures.append(Exception(reply.error))
         else:  # the SuperLink's, about the node
-            failures.append(Exception(Error(code=reply.error.code, reason=f"node {proxy.node_id}: {reply.error.reason}")))
+            failures.append(Exception(Error(reply.error.code, f"node {proxy.node_id}: {reply.error.reason}")))
     answered = {reply.metadata.reply_to_message_id for reply in replies}
     failures += [NoReply(f"node {proxy.node_id} sent no {message_type} reply within {timeout:g} s")
                  for message_id, proxy in addressee.items() if message_id not in answered]
