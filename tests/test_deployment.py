@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -56,9 +57,7 @@ OTHER_RUN = {**SMALL_RUN, "num-server-rounds": 1, "secagg.enabled": False, "trai
              "evaluate-every": 0}
 
 
-def run_directory_of(log: str):
-    from pathlib import Path
-
+def run_directory_of(log: str) -> Path:
     match = re.search(r"flwr-verl: run directory (\S+)", log)
     assert match, log[-3000:]
     return Path(match[1])
@@ -76,15 +75,13 @@ def two_runs_at_once(deployment, tmp_path_factory):
     other = deployment.flwr_run_background(REPO, {**OTHER_RUN, "output-dir": str(out)}, other_log)
     try:
         done = deployment.flwr_verl_run(REPO, config, timeout=900)  # exits with the run's status
-        other.wait(timeout=600)
+        log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
+        assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
+        yield {"main": (run_directory_of(log), log, deployment.run_status(log)), "other": (other, other_log),
+               "out": out}
     finally:
         if other.poll() is None:
             other.kill()
-    log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
-    assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
-    other_text = other_log.read_text(errors="replace")
-    return {"main": (run_directory_of(log), log, deployment.run_status(log)),
-            "other": (run_directory_of(other_text), other_text, deployment.run_status(other_text)), "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +178,14 @@ def test_supernode_without_tls_or_trusting_another_ca_is_refused(deployment, tmp
     assert len(online) == 3, nodes.stdout  # only the three registered, TLS-verified SuperNodes
 
 
-def test_two_runs_at_once_on_one_federation_stay_apart(two_runs_at_once):
+def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_once):
     """Both runs finish, each in its own run directory with its own config, rounds and privacy
     ledger: the other run's epsilon is that of one fresh round of its own mechanism."""
-    (main_dir, main_log, _), (other_dir, other_log, other_status) = two_runs_at_once["main"], two_runs_at_once["other"]
+    main_dir, main_log, _ = two_runs_at_once["main"]
+    other, other_log_file = two_runs_at_once["other"]
+    other.wait(timeout=600)  # the shorter run; it usually ended first
+    other_log = other_log_file.read_text(errors="replace")
+    other_dir, other_status = run_directory_of(other_log), deployment.run_status(other_log)
     assert other_status == "finished:completed", other_log[-3000:]
     assert main_dir != other_dir and sorted(run_directories(two_runs_at_once["out"])) == sorted([main_dir, other_dir])
     assert str(main_dir) not in other_log and str(other_dir) not in main_log
