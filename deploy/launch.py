@@ -195,8 +195,43 @@ class LocalDeployment:
         if self.auth:
             command += ["--enable-supernode-auth"]
         self._record(command, f"FLWR_HOME={self.flwr_home}")
-        self.superlink = _spawn(command, self.env, self.superlink_log, self.root)
-        wait_for_line(self.superlink, self.superlink_log, "Uvicorn running on", 60, what="the SuperLink to start")
+        start = self.superlink_log.stat().st_size if self.superlink_log.exists() else 0  # a restart appends
+        self.superlink = _spawn(command, self.env, self.superlink_log, self.root, append=True)
+        wait_for_line(self.superlink, self.superlink_log, "Uvicorn running on", 60, what="the SuperLink to start",
+                      start=start)
+
+    def kill_superlink(self) -> None:
+        """SIGKILL the SuperLink and everything it spawned (SuperExec, a running ServerApp), as a
+        crash of the server's machine would. Its database (``state.db``) stays; the SuperNodes
+        keep running and reconnect once ``start_superlink`` has brought it back."""
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(self.superlink.pid)
+            victims = [parent, *parent.children(recursive=True)]
+            for process in victims:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(victims, timeout=10)
+        self.superlink.wait(timeout=10)
+
+    def online_supernodes(self) -> int:
+        """How many SuperNodes the SuperLink counts as online (``flwr supernode ls``)."""
+        done = subprocess.run([flower_executable("flwr"), "supernode", "ls", self.connection, "--format", "json"],
+                              env=self.env, cwd=self.root, capture_output=True, text=True, timeout=60)
+        try:
+            nodes = json.loads(done.stdout).get("nodes", [])
+        except json.JSONDecodeError:
+            return 0
+        return sum(node.get("status") == "online" for node in nodes)
+
+    def wait_online(self, count: int, timeout: float = 120) -> None:
+        """Wait until exactly ``count`` SuperNodes are online (a SIGKILLed node stays online
+        until its heartbeat lapses; a restarted SuperLink waits for the nodes to reconnect)."""
+        deadline = time.monotonic() + timeout
+        while (online := self.online_supernodes()) != count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"waiting for {count} SuperNodes online: {online} after {timeout:g} s; "
+                                   f"see {self.root}/supernode-*.log and {self.superlink_log}")
+            time.sleep(1)
 
     def write_connection(self) -> None:
         lines = ["[superlink]", f'default = "{self.connection}"', "", f"[superlink.{self.connection}]",
@@ -288,6 +323,17 @@ class LocalDeployment:
         """``flwr run <app> <connection> --stream [--run-config file]``; returns the finished CLI process."""
         return subprocess.run(self.flwr_run_command(app, run_config, extra_args), env=self.env, cwd=self.root,
                               capture_output=True, text=True, timeout=timeout)
+
+    def flwr_verl_run(self, app: Path, run_config: dict | None = None, *,
+                      timeout: float = 600) -> subprocess.CompletedProcess:
+        """``flwr-verl run <app> <connection> --run-config FILE --timeout T``: ``flwr run --stream``
+        whose exit code is the run's outcome (0 completed, 1 failed, 2 invalid config, 3 timed out)."""
+        command = [sys.executable, "-m", "flwr_verl.cli", "run", str(app), self.connection, "--timeout", f"{timeout:g}"]
+        if run_config:
+            command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
+                                                             run_config))]
+        return subprocess.run(command, env=self.env, cwd=self.root, capture_output=True, text=True,
+                              timeout=timeout + 300)
 
     def flwr_run_background(self, app: Path, run_config: dict | None, log: Path) -> subprocess.Popen:
         """The same ``flwr run``, started with its output going to ``log``."""

@@ -2,6 +2,7 @@
 
     flwr-verl check-config my-profile.toml --set actor.lr=1e-3 --set "algorithm.adv_estimator='rloo'"
     flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp]
+    flwr-verl run . my-superlink --run-config my-profile.toml --timeout 7200
 
 ``check-config`` validates a run config before ``flwr run`` sees it. Flower rejects a key that is
 not in the app's ``[tool.flwr.app.config]`` before the app starts, with only
@@ -16,12 +17,24 @@ builds its engine, before any training.
 ``ledger show`` prints a node's privacy ledger (``ledger.py``; default: the node's default
 ledger file): each data set's spent epsilon at ``--delta``, per run and in total, composed by the
 accountant (a total is not the sum of the runs' epsilons). It opens the file read-only.
+
+``run`` is ``flwr run APP SUPERLINK --stream`` that returns the run's outcome: ``flwr run``
+exits 0 whether the run finished or failed, so a script or CI job cannot tell them apart. It
+checks the config as ``check-config`` does, submits the run, streams its log, then reads the
+run's status from the SuperLink (``flwr ls --run-id ID --format json``, the same record
+``flwr ls`` shows) and exits 0 on ``finished:completed``, 1 on a failed or stopped run, 2 on
+an invalid config, 3 when ``--timeout`` passed first (the run is then stopped with
+``flwr stop``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +51,8 @@ from flwr_verl.config import ConfigError, parse_run_config
 # The Flower app this package ships with: the repository's pyproject.toml (a source checkout or
 # an editable install). Elsewhere pass --app.
 APP_DIR = Path(__file__).resolve().parents[1]
-EXIT_INVALID = 2
+EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 1, 2, 3
+COMPLETED = "finished:completed"  # the status Flower's SuperLink gives a run that ended normally
 
 
 def app_defaults(app_dir: Path) -> dict[str, Any]:
@@ -94,6 +108,69 @@ def ledger_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def flwr_command(name: str, *args: str) -> list[str]:
+    """``flwr`` of this interpreter's environment (else from PATH)."""
+    path = Path(sys.executable).with_name(name)
+    return [str(path) if path.exists() else name, *args]
+
+
+def run_status(run_id: str, superlink: list[str]) -> str:
+    """The SuperLink's status of run ``run_id`` (``finished:completed``, ``finished:failed``, ...)."""
+    done = subprocess.run(flwr_command("flwr", "ls", *superlink, "--run-id", run_id, "--format", "json"),
+                          capture_output=True, text=True, timeout=120)
+    try:
+        runs = json.loads(done.stdout).get("runs", [])
+    except json.JSONDecodeError:
+        runs = []
+    return next((str(r.get("status")) for r in runs if str(r.get("run-id")) == run_id),
+                f"unknown (flwr ls: {(done.stdout + done.stderr).strip()[-300:]})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the config, then `flwr run APP [SUPERLINK] --stream` and follow the run until it
+    ends or --timeout passes; exit 0 on finished:completed, 1 on a failed or stopped run, 2 on an
+    invalid config, 3 on timeout (the run is stopped)."""
+    app = Path(args.app)
+    try:
+        checked_run_config(args.run_config, args.set, app)
+    except (ConfigError, OSError, tomllib.TOMLDecodeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    superlink = [args.superlink] if args.superlink else []
+    command = flwr_command("flwr", "run", str(app), *superlink, "--stream")
+    command += ["--run-config", args.run_config] if args.run_config else []
+    for override in args.set:
+        command += ["--run-config", override]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    run_ids: list[str] = []
+
+    def follow() -> None:  # stream the log through, and note the run id flwr run prints
+        for line in process.stdout:
+            sys.stdout.write(line)
+            if match := re.search(r"Successfully started run (\d+)", line):
+                run_ids.append(match[1])
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    try:
+        code = process.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        if run_ids:
+            subprocess.run(flwr_command("flwr", "stop", run_ids[0], *superlink), capture_output=True, timeout=120)
+        process.kill()
+        process.wait()
+        print(f"flwr-verl: run {run_ids[0] if run_ids else '(not started)'} did not end within --timeout="
+              f"{args.timeout:g} s; stopped", file=sys.stderr)
+        return EXIT_TIMEOUT
+    reader.join(timeout=10)
+    if not run_ids:
+        print(f"flwr-verl: flwr run started no run (exit code {code})", file=sys.stderr)
+        return code or EXIT_FAILED
+    status = run_status(run_ids[0], superlink)
+    print(f"flwr-verl: run {run_ids[0]} {status}")
+    return 0 if status == COMPLETED else EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flwr-verl", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -113,6 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     shown.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is shown (default 1e-5)")
     shown.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="default: rdp")
     shown.set_defaults(handler=ledger_show)
+
+    submit = commands.add_parser("run", help="`flwr run --stream` that exits with the run's status",
+                                 description=run.__doc__)
+    submit.add_argument("app", nargs="?", default=".", help="directory of the Flower app (default: .)")
+    submit.add_argument("superlink", nargs="?", help="SuperLink connection in $FLWR_HOME/config.toml "
+                        "(default: its default one)")
+    submit.add_argument("--run-config", metavar="FILE", help="run-config TOML, passed to `flwr run --run-config`")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one key (a TOML literal: strings quoted); repeatable")
+    submit.add_argument("--timeout", type=float, default=24 * 3600.0, metavar="SECONDS",
+                        help="stop the run and exit 3 if it has not ended by then (default: 24 h)")
+    submit.set_defaults(handler=run)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -34,6 +34,7 @@ from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfi
 QUANTIZATION_RANGE = 2**30
 MODULUS_RANGE = 2**40
 MAX_CLIENTS = MODULUS_RANGE // QUANTIZATION_RANGE - 1  # the largest k with k * Q < MODULUS_RANGE
+MIN_CLIENTS = 3  # Flower's SecAgg+ needs num_shares >= 3, so a round needs 3 clients
 
 
 class UpdateOutOfRange(FlwrVerlError, ValueError):

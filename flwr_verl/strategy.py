@@ -89,7 +89,7 @@ from flwr_verl.protocol import (
     SecAggBounds,
     TrainingSummary,
 )
-from flwr_verl.secagg import MAX_CLIENTS
+from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
 # A client's one-line error reply, as ``mods.concise_errors`` writes it: "client <id>: <error>"
@@ -324,14 +324,24 @@ class FedProxAdapters(Strategy):
         """Wait up to ``connect-timeout`` for ``min-available-clients`` connected clients, then fail
         with what to change (Flower's own ``sample`` would wait 24 hours without a word)."""
         count = self.config.min_available_clients
-        if client_manager.wait_for(count, timeout=self.config.connect_timeout):
+        deadline = time.monotonic() + self.config.connect_timeout
+        # On a Grid, num_available() refreshes the node list; wait_for alone sees it every 5 s.
+        while (connected := client_manager.num_available()) < count and time.monotonic() < deadline:
+            client_manager.wait_for(count, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        if connected >= count:
             return
-        secagg = (" SecAgg+ needs at least 3 clients: with fewer, set secagg.enabled=false."
-                  if self.secure_aggregation else "")
+        if self.secure_aggregation and connected < MIN_CLIENTS:
+            # Lowering min-*-clients cannot help here, and a resumed run keeps secagg.enabled.
+            more = ("bring SuperNodes back and run again with resume=true to continue after round "
+                    f"{self.completed_round}" if self.completed_round else "start more SuperNodes")
+            fix = (f"SecAgg+ cannot run with {connected} clients (Flower's SecAgg+ needs at least {MIN_CLIENTS}): "
+                   f"{more}, or start a new run with secagg.enabled=false")
+        else:
+            fix = "start more SuperNodes, or lower min-available-clients and min-fit-clients"
         raise RoundFailed(
-            f"round {self.round_number(server_round)}: only {client_manager.num_available()} of "
+            f"round {self.round_number(server_round)}: only {connected} of "
             f"min-available-clients={count} SuperNodes connected after connect-timeout={self.config.connect_timeout:g} "
-            f"s; start more SuperNodes, or lower min-available-clients and min-fit-clients.{secagg}")
+            f"s; {fix}.")
 
     def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
         return FitConfig(

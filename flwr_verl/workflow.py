@@ -29,6 +29,7 @@ import time
 from functools import partial
 from logging import INFO, WARNING
 
+from flwr.app import Error
 from flwr.common import Code, Message, MessageType, log
 from flwr.common.constant import MessageTypeLegacy
 import flwr.compat.common.recorddict_compat as compat
@@ -63,16 +64,22 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
     messages = [Message(content=to_recorddict(ins), dst_node_id=proxy.node_id, message_type=message_type,
                         group_id=str(server_round)) for proxy, ins in instructions]
     replies = list(grid.send_and_receive(messages, timeout=timeout))
+    # Match replies by the message they answer, not by sender: the SuperLink itself sends the
+    # "node unavailable" error for a node that died. Pushing the messages gave them their ids.
+    addressee = {message.metadata.message_id: proxies[message.metadata.dst_node_id] for message in messages}
     results, failures = [], []
     for reply in replies:
+        proxy = addressee[reply.metadata.reply_to_message_id]
         if reply.has_content():
             res = from_recorddict(reply.content)
-            (results if res.status.code == Code.OK else failures).append((proxies[reply.metadata.src_node_id], res))
-        else:
+            (results if res.status.code == Code.OK else failures).append((proxy, res))
+        elif reply.metadata.src_node_id == proxy.node_id:  # the client's own error
             failures.append(Exception(reply.error))
-    answered = {reply.metadata.src_node_id for reply in replies}
-    failures += [NoReply(f"node {node} sent no {message_type} reply within {timeout:g} s")
-                 for node in proxies if node not in answered]
+        else:  # the SuperLink's, about the node
+            failures.append(Exception(Error(reply.error.code, f"node {proxy.node_id}: {reply.error.reason}")))
+    answered = {reply.metadata.reply_to_message_id for reply in replies}
+    failures += [NoReply(f"node {proxy.node_id} sent no {message_type} reply within {timeout:g} s")
+                 for message_id, proxy in addressee.items() if message_id not in answered]
     return results, failures
 
 

@@ -149,3 +149,14 @@ def test_check_config_as_a_command(profiles):
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert "unknown config key 'actor.lrr'" in result.stderr
+
+
+def test_flwr_verl_run_refuses_a_bad_config_before_submitting_anything(profiles, capsys, monkeypatch):
+    import flwr_verl.cli as cli
+
+    def no_flwr(*args, **kwargs):
+        raise AssertionError("flwr was called for an invalid config")
+
+    monkeypatch.setattr(cli.subprocess, "Popen", no_flwr)
+    assert main(["run", str(REPO), "some-superlink", "--run-config", str(profiles[1])]) == 2
+    assert "unknown config key 'actor.lrr'" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -57,19 +58,42 @@ def budget_for_two_rounds() -> float:
     return (epsilon_after(2) + epsilon_after(3)) / 2
 
 
+# Submitted at the same time as the main run, to the same SuperLink and SuperNodes and the same
+# output-dir: one round in the clear, one local iteration.
+OTHER_RUN = {**SMALL_RUN, "num-server-rounds": 1, "secagg.enabled": False, "trainer.local_iterations": 1,
+             "evaluate-every": 0}
+
+
+def run_directory_of(log: str) -> Path:
+    match = re.search(r"flwr-verl: run directory (\S+)", log)
+    assert match, log[-3000:]
+    return Path(match[1])
+
+
 @pytest.fixture(scope="module")
-def deployed_run(deployment, tmp_path_factory):
+def two_runs_at_once(deployment, tmp_path_factory):
     """The simulation test's run (2 rounds), asked for 3 rounds under an epsilon budget that lasts 2:
     after round 2 every client reports that one more round would exceed it, and the run ends
-    normally with round 2's adapter as the final one."""
+    normally with round 2's adapter as the final one. ``OTHER_RUN`` runs alongside it."""
     out = tmp_path_factory.mktemp("deploy-out")
     config = {**SMALL_RUN, "num-server-rounds": 3, "privacy.epsilon_budget": budget_for_two_rounds(),
               "output-dir": str(out)}
-    done = deployment.flwr_run(REPO, config, timeout=900)
-    runs = run_directories(out)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0 and runs, f"flwr run failed:\n{log[-6000:]}"
-    return runs[-1], log, deployment.run_status(log)
+    other_log = out.parent / "other-run.log"
+    other = deployment.flwr_run_background(REPO, {**OTHER_RUN, "output-dir": str(out)}, other_log)
+    try:
+        done = deployment.flwr_verl_run(REPO, config, timeout=900)  # exits with the run's status
+        log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
+        assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
+        yield {"main": (run_directory_of(log), log, deployment.run_status(log)), "other": (other, other_log),
+               "out": out}
+    finally:
+        if other.poll() is None:
+            other.kill()
+
+
+@pytest.fixture(scope="module")
+def deployed_run(two_runs_at_once):
+    return two_runs_at_once["main"]
 
 
 def test_the_federation_is_tls_with_supernode_auth(deployment):
@@ -107,6 +131,8 @@ def test_secure_aggregation_ran_and_the_run_completed(deployed_run):
     assert log.count("Secure aggregation completed") == 2
     assert "Secure aggregation halted" not in log and "Traceback" not in log
     assert status == "finished:completed", status
+    run_id = re.search(r"Successfully started run (\d+)", log)[1]
+    assert log.splitlines()[-1] == f"flwr-verl: run {run_id} finished:completed", log[-3000:]  # its exit code: 0
 
 
 def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
@@ -183,3 +209,28 @@ def test_supernode_without_tls_or_trusting_another_ca_is_refused(deployment, tmp
                            env=deployment.env, cwd=deployment.root, capture_output=True, text=True, timeout=60)
     online = [n for n in json.loads(nodes.stdout).get("nodes", []) if n.get("status") == "online"]
     assert len(online) == 3, nodes.stdout  # only the three registered, TLS-verified SuperNodes
+
+
+def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_once):
+    """Both runs finish, each in its own run directory with its own config, rounds and privacy
+    ledger: the other run's epsilon is that of one fresh round of its own mechanism."""
+    main_dir, main_log, _ = two_runs_at_once["main"]
+    other, other_log_file = two_runs_at_once["other"]
+    other.wait(timeout=600)  # the shorter run; it usually ended first
+    other_log = other_log_file.read_text(errors="replace")
+    other_dir, other_status = run_directory_of(other_log), deployment.run_status(other_log)
+    assert other_status == "finished:completed", other_log[-3000:]
+    assert main_dir != other_dir and sorted(run_directories(two_runs_at_once["out"])) == sorted([main_dir, other_dir])
+    assert str(main_dir) not in other_log and str(other_dir) not in main_log
+    assert json.loads((other_dir / "config.json").read_text())["federation"]["num_server_rounds"] == 1
+    assert json.loads((main_dir / "config.json").read_text())["federation"]["num_server_rounds"] == 3
+    (record,) = records(other_dir)
+    assert record["round"] == 1 and record["clients"] == [0, 1, 2] and "evaluate" not in record
+    engine = parse_run_config(OTHER_RUN).engine
+    mechanism = IterationMechanism(engine.privacy.noise_multiplier,
+                                   sample_rate(engine.data.train_batch_size, engine.data.train_size),
+                                   engine.actor.ppo_epochs)
+    one_round = PrivacyAccount().after(mechanism, engine.trainer.local_iterations).epsilon(engine.privacy.delta)
+    assert record["fit"]["epsilon_total"] == pytest.approx(one_round, rel=1e-6)
+    assert [r["round"] for r in records(main_dir)] == [0, 1, 2]
+    assert (other_dir / "adapters" / "final" / "policy").is_dir()

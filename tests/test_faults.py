@@ -8,10 +8,14 @@ on, and kills real processes:
   (reconstruction threshold 2) and the aggregate is the mean of exactly their updates, which
   this process recomputes (``privacy.deterministic`` makes a client's update reproducible);
 - a client whose fit raises (``inject-failure-partition``): a failure of the round, never
-  aggregated; then the ServerApp is SIGKILLed after round 1 and restarted with ``resume``: it
-  starts from the saved round-1 adapter, bit for bit, and runs round 2, once;
+  aggregated; then the SuperLink (with its ServerApp) is SIGKILLed after round 1, restarted, and
+  the run resumed with ``resume``: it starts from the saved round-1 adapter, bit for bit, with
+  the privacy ledger intact, and runs round 2, once;
 - two SuperNodes killed in the fit stage of round 3: fewer than the threshold survive, the run
-  fails with one line that says why, and the saved adapters are untouched.
+  fails with one line that says why, and the saved adapters are untouched;
+- with evaluation on, a SuperNode lost mid-fit: in the clear the round is saved, then evaluated
+  on the survivors, and the run finishes; under SecAgg+ the 2 left cannot run another round, so
+  the run stops with one line saying so, and resumes once the node is back.
 
 Killed SuperNodes get SIGTERM after their ClientApp got SIGKILL (see
 ``LocalDeployment.kill_supernode``); with SIGKILL the SuperLink would notice only when the
@@ -299,6 +303,59 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_config, 
         load_state(tensors.parent)
 
 
+def test_under_secagg_fewer_than_3_clients_stop_the_run_saying_how_to_go_on():
+    initial = [np.zeros((2, 2), np.float32)]
+    config = FederationConfig(min_fit_clients=3, min_available_clients=3, connect_timeout=0.05,
+                              secagg=SecAggConfig(enabled=True))
+    strategy = FedProxAdapters(config, initial, local_iterations=1, secure_aggregation=SecAggBounds(1.0, 64.0))
+    three, two = InProcessClients.named(["0", "1", "2"]), InProcessClients.named(["0", "1"])
+    cannot = r"SecAgg\+ cannot run with 2 clients \(Flower's SecAgg\+ needs at least 3\): "
+    with pytest.raises(RoundFailed, match=r"round 1: only 2 of min-available-clients=3 SuperNodes connected after "
+                                          r"connect-timeout=0.05 s; " + cannot + "start more SuperNodes, or start a "
+                                          "new run with secagg.enabled=false"):
+        strategy.configure_fit(1, ndarrays_to_parameters(initial), two)
+    strategy.aggregate_fit(1, [(three.proxies[c], fit_res([np.full((2, 2), 0.5)], 8, report(int(c)))) for c in "012"],
+                           [])
+    with pytest.raises(RoundFailed, match=cannot + "bring SuperNodes back and run again with resume=true to "
+                                                   "continue after round 1, or start a new run with"):
+        strategy.configure_fit(2, ndarrays_to_parameters(initial), two)
+
+
+def test_exchange_matches_replies_to_messages_and_names_the_nodes_that_did_not_answer(monkeypatch):
+    """A client's reply, the SuperLink's "node unavailable" for a node that died (sent by the
+    SuperLink, not by the node) and silence from a node that hangs: each is told apart, and the
+    silent node is a NoReply that names it once the deadline has passed."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.common import GetPropertiesIns, GetPropertiesRes, Message
+    from flwr.common.constant import MessageTypeLegacy
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from flwr_verl.strategy import describe_failures
+    from flwr_verl.workflow import exchange
+
+    for identity in ("_run_id", "_task_id", "_node_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, identity, 1)
+
+    class Grid:
+        def send_and_receive(self, messages, timeout):
+            for message in messages:  # as Flower's grids do when they push a message
+                message.metadata.__dict__["_message_id"] = message.object_id
+            alive, dead, _ = messages
+            ready = compat.getpropertiesres_to_recorddict(GetPropertiesRes(Status(Code.OK, ""), {}))
+            return [create_message_error_unavailable_res_message(dead.metadata, "node_unavail"),
+                    Message(ready, reply_to=alive)]
+
+    proxies = [GridClientProxy(node_id=node, grid=None, run_id=1) for node in (11, 22, 33)]
+    results, failures = exchange(Grid(), [(proxy, GetPropertiesIns({})) for proxy in proxies],
+                                 MessageTypeLegacy.GET_PROPERTIES, 1, timeout=5)
+    assert [proxy.node_id for proxy, _ in results] == [11]
+    unavailable, silent = describe_failures(failures)
+    assert unavailable.startswith("node 22: Error: Node Unavailable") and unavailable.endswith("(Flower error code 5)")
+    assert silent == "NoReply: node 33 sent no get_properties reply within 5 s"
+
+
 # ============================================================================ real processes
 def run_config(out: Path, **overrides) -> dict:
     return {**FAULT_RUN, "output-dir": str(out), **overrides}
@@ -318,16 +375,18 @@ def wait_until(predicate, timeout: float, what: str, process: subprocess.Popen |
 FIT_STAGE = 3  # SecAgg+ sends 4 train messages per round; the 3rd carries the fit instructions
 
 
-def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen) -> None:
-    """Kill SuperNodes ``indices`` as soon as each receives the SecAgg+ fit-stage message of the
-    round that is starting, before its ClientApp can answer."""
+def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen, *, stage: int = FIT_STAGE,
+                      graceful: bool = True) -> None:
+    """Kill SuperNodes ``indices`` as soon as each receives the fit message of the round that is
+    starting (the ``stage``-th train message: 3 under SecAgg+, 1 in the clear), before its
+    ClientApp can answer."""
     baseline = {i: count_in(deployment.supernodes[i].log, "Receiving: train message") for i in indices}
     pending = set(indices)
     deadline = time.monotonic() + 600
     while pending and time.monotonic() < deadline:
         for i in sorted(pending):
-            if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + FIT_STAGE:
-                deployment.kill_supernode(i)
+            if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + stage:
+                deployment.kill_supernode(i, graceful=graceful)
                 pending.discard(i)
         if process.poll() is not None:
             raise AssertionError("the run ended before the fit stage")
@@ -341,6 +400,7 @@ def restart(deployment, indices) -> None:
             deployment.start_supernode(i)
     for i in indices:
         deployment.wait_supernode(i)
+    deployment.wait_online(len(deployment.supernodes))  # a SIGKILLed node's old entry lapses first
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
@@ -383,7 +443,9 @@ def test_supernode_killed_during_secagg_round_survivors_complete_it(federation, 
 
 @pytest.fixture(scope="module")
 def failed_client_then_resumed(federation, tmp_path_factory):
-    """Round 1 with partition 1's fit raising; the ServerApp SIGKILLed once round 1 is saved;
+    """Round 1 with partition 1's fit raising; once round 1 is saved the SuperLink is SIGKILLed
+    with everything it spawned (the ServerApp included), as a crash of the server's machine
+    would, and restarted on the same port and database; the SuperNodes reconnect by themselves.
     `flwr run` again with resume=true (and no injected failure) runs round 2."""
     root = tmp_path_factory.mktemp("resume")
     out = root / "out"
@@ -393,19 +455,23 @@ def failed_client_then_resumed(federation, tmp_path_factory):
     try:
         wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), 600,
                    "the round-1 checkpoint", process)
-        servers = federation.serverapp_processes()
-        assert servers, "no ServerApp process found"
-        for server in servers:
-            server.kill()
+        assert federation.serverapp_processes(), "no ServerApp process found"
+        federation.kill_superlink()
+        process.wait(timeout=60)  # `flwr run --stream` loses its SuperLink
     finally:
-        process.kill()
-        process.wait(timeout=30)
+        if process.poll() is None:
+            process.kill()
+        if federation.superlink.poll() is not None:
+            federation.start_superlink()
+    survivors = federation.serverapp_processes()
     (run_dir,) = run_directories(out)
     killed_after = [r["round"] for r in records(run_dir)]
     saved = load_state(run_dir / "adapters" / "round-0001")
+    federation.wait_online(3)
     resumed = federation.flwr_run(REPO, {**first, "resume": True, "inject-failure-partition": -1}, timeout=600)
     return {"run_dir": run_dir, "config": first, "killed_after": killed_after, "saved": saved,
-            "first_log": log1.read_text(errors="replace"), "resumed_log": resumed.stdout + resumed.stderr}
+            "survivors": survivors, "first_log": log1.read_text(errors="replace"),
+            "resumed_log": resumed.stdout + resumed.stderr}
 
 
 @pytest.mark.slow
@@ -423,10 +489,10 @@ def test_failing_client_is_a_failure_of_the_round_and_never_aggregated(failed_cl
 
 
 @pytest.mark.slow
-def test_server_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(failed_client_then_resumed):
+def test_superlink_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(failed_client_then_resumed):
     run = failed_client_then_resumed
     run_dir, log = run["run_dir"], run["resumed_log"]
-    assert run["killed_after"] == [1]
+    assert run["killed_after"] == [1] and not run["survivors"]  # the ServerApp died with its SuperLink
     match = re.search(r"resume: (\S+) continues after round (\d+) from adapter ([0-9a-f]{16})", log)
     assert match, log
     assert Path(match[1]) == run_dir and match[2] == "1"
@@ -437,6 +503,10 @@ def test_server_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter(f
     assert [r["round"] for r in rounds] == [1, 2]  # nothing lost, nothing repeated
     assert rounds[1]["fit"]["num_clients"] == 3
     assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the privacy ledger carried over
+    steps = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
+              load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
+    assert sorted(steps[0]) == ["0", "2"] and sorted(steps[1]) == ["0", "1", "2"]  # partition 1 failed in round 1
+    assert all(steps[1][c] == 2 * steps[0][c] > 0 for c in steps[0]) and 0 < steps[1]["1"] == steps[0]["0"]
     assert (run_dir / "adapters" / "final" / "policy").is_dir()
     # Flower counts the resumed run's rounds from 1; the app's own round numbers go on from 2.
     assert "round 2: reward" in log and "round 1: reward" not in log and log.count("Secure aggregation completed") == 1
@@ -557,9 +627,10 @@ def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_
     tiny = {"epsilon-budget": 1e-3}
     with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={1: tiny, 2: tiny}) as deployment:
         out = tmp_path / "out"
-        done = deployment.flwr_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
+        done = deployment.flwr_verl_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
         log = done.stdout + done.stderr
         status = deployment.run_status(log)
+    assert done.returncode == 1 and done.stdout.splitlines()[-1].endswith(" finished:failed"), log  # flwr run: 0
     assert re.search(r"round 1: secure aggregation halted at stage '(collect masked vectors|unmask)': "
                      r"1 of 3 sampled clients", log), log
     assert log.count("PrivacyBudgetExhausted: one more round would spend epsilon") >= 2, log
@@ -567,3 +638,72 @@ def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_
     (run_dir,) = run_directories(out)
     assert not (run_dir / "adapters").exists() or not list((run_dir / "adapters").glob("round-*"))
     assert status == "finished:failed", status
+
+
+# Evaluation on; the clear, with 2 of 3 clients enough to go on; short deadlines bound every wait.
+PLAIN_EVALUATED = {"secagg.enabled": False, "evaluate-every": 1, "min-available-clients": 2, "min-fit-clients": 2,
+                   "fit-timeout": 120.0, "evaluate-timeout": 120.0}
+
+
+@pytest.mark.slow
+def test_a_supernode_lost_mid_fit_round_is_saved_then_evaluated_on_the_survivors(federation, tmp_path):
+    """SuperNode 2 dies as its fit instruction arrives (its ClientApp SIGKILLed mid-fit). The
+    round aggregates the 2 survivors, is checkpointed before it is evaluated, is evaluated on
+    whoever is left (fewer than min-evaluate-clients=3) within evaluate-timeout, and the run
+    finishes. (A node SIGKILLed whole is noticed only when its heartbeat lapses, up to 60 s:
+    the same path, slower; ``test_exchange_names_the_nodes_that_sent_no_reply`` covers the
+    deadline itself.)"""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    config = run_config(out, **{"num-server-rounds": 1, **PLAIN_EVALUATED})
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [2], process, stage=1)
+        text = finish(process, log)
+    finally:
+        restart(federation, [2])
+    (run_dir,) = run_directories(out)
+    before, first = records(run_dir)
+    assert before["round"] == 0 and first["round"] == 1
+    assert first["clients"] == [0, 1] and first["fit"]["num_clients"] == 2, first
+    assert first["fit"]["num_failures"] == 1, first
+    assert "reward" in first["evaluate"] and first["evaluate"]["seconds"] < 120 + 10, first
+    saved, evaluated = text.find("round 1: adapter "), text.find("round 1: held-out greedy reward")
+    assert 0 <= saved < evaluated, text  # the checkpoint exists before evaluation starts
+    assert "round 1: evaluating on the 2 connected clients (min-evaluate-clients=3)" in text, text
+    assert "flwr-verl: finished" in text and "Traceback" not in text, text
+    assert federation.run_status(text) == "finished:completed"
+
+
+@pytest.mark.slow
+def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(federation, tmp_path):
+    """Under SecAgg+ with 3 organisations, SuperNode 2 dies in round 1's fit stage and stays
+    away. Round 1 completes with the 2 survivors, is saved and evaluated on them; round 2 cannot
+    run (SecAgg+ needs 3): after connect-timeout the run fails with one line that says so and how
+    to go on. With the node back, ``resume=true`` runs round 2 from the saved checkpoint."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    config = run_config(out, **{"num-server-rounds": 2, "evaluate-every": 1, "connect-timeout": 20.0,
+                                "evaluate-timeout": 120.0})
+    process = federation.flwr_run_background(REPO, config, log)
+    try:
+        kill_in_fit_stage(federation, [2], process)
+        text = finish(process, log)
+        (run_dir,) = run_directories(out)
+        kept = [r["round"] for r in records(run_dir)]
+        restart(federation, [2])
+        resumed = federation.flwr_run(REPO, {**config, "resume": True}, timeout=600)
+    finally:
+        restart(federation, [2])
+    assert "Secure aggregation completed" in text and kept == [0, 1], text
+    assert ("round 2: only 2 of min-available-clients=3 SuperNodes connected after connect-timeout=20 s; SecAgg+ "
+            "cannot run with 2 clients (Flower's SecAgg+ needs at least 3): bring SuperNodes back and run again "
+            "with resume=true to continue after round 1, or start a new run with secagg.enabled=false.") in text, text
+    assert "the run directory keeps the adapter of round 1 (" in text and "Traceback" not in text, text
+    assert federation.run_status(text) == "finished:failed"
+
+    resumed_log = resumed.stdout + resumed.stderr
+    assert "continues after round 1 from adapter" in resumed_log, resumed_log
+    rounds = records(run_dir)
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[1]["clients"] == [0, 1] and "reward" in rounds[1]["evaluate"]  # evaluated on the survivors
+    assert rounds[2]["clients"] == [0, 1, 2] and rounds[2]["fit"]["epsilon_total"] > rounds[1]["fit"]["epsilon_total"]
+    assert federation.run_status(resumed_log) == "finished:completed"
