@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,11 +52,11 @@ def validate_row(row: Row, where: str) -> Row:
     return {**row, "prompt": prompt, "extra_info": dict(extra_info)}
 
 
-def load_parquet_rows(files: str) -> list[Row]:
-    """Rows of comma-separated parquet ``files``, validated."""
+def read_parquet_files(files: str) -> Iterator[tuple[Path, list[dict]]]:
+    """Each of the comma-separated parquet ``files`` with its records; a missing or unreadable
+    file is a ``DataError`` naming it."""
     import pyarrow.parquet as pq
 
-    rows: list[Row] = []
     for name in [f.strip() for f in files.split(",") if f.strip()]:
         path = Path(name)
         if not path.is_file():
@@ -64,7 +65,13 @@ def load_parquet_rows(files: str) -> list[Row]:
             records = pq.read_table(path).to_pylist()
         except Exception as error:  # pyarrow raises several types for a corrupt file
             raise DataError(f"{path}: not a readable parquet file: {error}") from error
-        rows.extend(validate_row(record, f"{path} row {index}") for index, record in enumerate(records))
+        yield path, records
+
+
+def load_parquet_rows(files: str) -> list[Row]:
+    """Rows of comma-separated parquet ``files``, validated."""
+    rows = [validate_row(record, f"{path} row {index}")
+            for path, records in read_parquet_files(files) for index, record in enumerate(records)]
     if not rows:
         raise DataError(f"{files}: no rows")
     return rows

@@ -47,7 +47,7 @@ import torch
 
 from flwr_verl import embedded
 from flwr_verl.config import ConfigError, DataConfig, EngineConfig, ModelConfig
-from flwr_verl.data import DataError, partition_rows
+from flwr_verl.data import DataError, partition_rows, read_parquet_files
 from flwr_verl.models import AdapterSet, ModelLoadError, _adapted, _dtype, _lora_config, resolve_model_path, select_device
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.reward_model import SCORE_HEAD, conversation_text, sequence_scores
@@ -105,18 +105,7 @@ def preference_units(records: list[dict], source: str) -> list[PreferenceUnit]:
 
 
 def load_preference_files(files: str) -> list[PreferenceUnit]:
-    import pyarrow.parquet as pq
-
-    units: list[PreferenceUnit] = []
-    for name in [f.strip() for f in files.split(",") if f.strip()]:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"{path}: dataset file not found")
-        try:
-            records = pq.read_table(path).to_pylist()
-        except Exception as error:  # pyarrow raises several types for a corrupt file
-            raise DataError(f"{path}: not a readable parquet file: {error}") from error
-        units.extend(preference_units(records, str(path)))
+    units = [unit for path, records in read_parquet_files(files) for unit in preference_units(records, str(path))]
     if not units:
         raise DataError(f"{files}: no rows")
     return units
