@@ -77,6 +77,7 @@ from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
+from flwr_verl.compression import coordinate_mask, round_seed, scatter
 from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig, FlwrVerlError
 from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
 from flwr_verl.protocol import (
@@ -92,7 +93,6 @@ from flwr_verl.protocol import (
     SparseRound,
     TrainingSummary,
 )
-from flwr_verl.compression import coordinate_mask, round_seed, scatter
 from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
