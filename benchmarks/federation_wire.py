@@ -137,6 +137,7 @@ OPTIONS = {
     "plain_ffa_lora": {"secagg.enabled": False, "model.lora_freeze_a": True},
     "secagg": {"secagg.enabled": True},
     "secagg_ffa_lora": {"secagg.enabled": True, "model.lora_freeze_a": True},
+    **{f"secagg_density_{d:g}": {"secagg.enabled": True, "compression.density": d} for d in (0.25, 0.05)},
 }
 TINY_RUN = {"num-server-rounds": 2, "min-fit-clients": 3, "min-evaluate-clients": 3, "min-available-clients": 3,
             "evaluate-every": 0, "data.train_size": 32, "data.val_size": 8, "data.train_batch_size": 8,

@@ -49,6 +49,11 @@ ledger records the capped count before training, so ``local-iterations`` is acco
 and a fit that ``time-budget-s`` stops sooner is over-counted, never under-counted. Under
 ``aggregation = "fednova"`` it sends its update divided by the iterations it ran
 (``FitConfig.normalize_update``).
+
+Under ``compression.density < 1`` the client sends only the round's coordinates, the same for
+every client (``FitConfig.sparse``, ``compression.py``), and keeps the rest as its error-feedback
+residual, added to its next round's update. The residual lives in this process, per run and
+partition (``cached_error_feedback``): it outlives a message, not the SuperNode's process.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import numpy as np
 from flwr.app import Context
 from flwr.client import NumPyClient
 
+from flwr_verl.compression import ErrorFeedback, coordinate_mask, with_error_feedback
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.data import Row
 from flwr_verl.ledger import (
@@ -106,6 +112,7 @@ _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
 _LEDGERS: dict[str, PrivacyLedger] = {}
 _REWARD_MODELS: dict[str, RewardModel] = {}
+_ERROR_FEEDBACK: dict[str, ErrorFeedback] = {}
 
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
@@ -133,6 +140,13 @@ def cached_reward_model(path: str, key: str, device) -> RewardModel:
     if cache_key not in _REWARD_MODELS:
         _REWARD_MODELS[cache_key] = load_reward_model(path, device, key=key)
     return _REWARD_MODELS[cache_key]
+
+
+def cached_error_feedback(run_id: str, partition_id: int) -> ErrorFeedback:
+    """This process's error-feedback residual for one run and partition (``compression.py``):
+    a ClientApp builds a client per message, the residual must last from round to round."""
+    key = repr((run_id, partition_id))
+    return _ERROR_FEEDBACK.setdefault(key, ErrorFeedback())
 
 
 def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
@@ -197,9 +211,11 @@ class VerlClient(NumPyClient):
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
                  client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local",
                  reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY,
-                 budget: LocalBudget | None = None) -> None:
+                 budget: LocalBudget | None = None, error_feedback: ErrorFeedback | None = None) -> None:
         self.config = config
         self.budget = budget or LocalBudget()
+        # Sparse uploads' residual (compression.density < 1); without one it lasts as long as this object.
+        self.error_feedback = error_feedback or ErrorFeedback()
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -300,11 +316,19 @@ class VerlClient(NumPyClient):
         if bad := [name for name, a in zip(self.adapters.names, update) if not np.isfinite(a).all()]:
             raise NonFiniteUpdate(f"the local update has NaN or inf in {len(bad)} of {len(update)} arrays "
                                   f"(first: {bad[0]}); not sent. Lower actor.lr or check the reward function")
+        residual = None
+        if instructions.sparse:  # the round's coordinates only; the rest waits in the residual
+            indices = coordinate_mask(instructions.sparse.seed, sum(a.size for a in update),
+                                      instructions.sparse.density)
+            sent, residual = with_error_feedback(update, self.error_feedback.residual, indices)
+            update = [sent]
         weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
         if self.config.privacy.client_level.enabled:  # client-level DP: noisy integers of weight 1
             update, weight = self._encode_client_level(update, instructions), 1
         elif instructions.secagg:
             check_update(update, weight, instructions.secagg.clipping_range, instructions.secagg.max_weight)
+        if residual is not None:  # kept only once the update is fit to be sent
+            self.error_feedback.residual = residual
         report = dataclasses.replace(
             report, bytes_sent=_nbytes(update), iterations=result.iterations,
             privacy=self._privacy_report(spend.before, spend.after, mechanism, iterations) if spend else None,
@@ -381,6 +405,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
         ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
         reward_model_key=reward_model_key, budget=budget,
+        error_feedback=cached_error_feedback(str(context.run_id), partition_id),
     )
 
 

@@ -486,6 +486,18 @@ class SecAggConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """Sparse uploads (``compression.py``): each round every client sends the same random
+    ``density`` share of the adapter's coordinates, keeping the rest as an error-feedback residual."""
+
+    density: float = 1.0  # 1 = off: every coordinate travels
+
+    def __post_init__(self) -> None:
+        require(0 < self.density <= 1, "compression.density", self.density,
+                "must be in (0, 1] (the share of coordinates each client uploads per round; 1 = all)")
+
+
+@dataclass
 class FederationConfig:
     num_server_rounds: int = 8
     fraction_fit: float = 1.0
@@ -512,6 +524,7 @@ class FederationConfig:
     resume: bool = False
     inject_failure_partition: int = -1  # tests: this partition's fit raises (-1 = none)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     @property
     def effective_server_learning_rate(self) -> float:
@@ -557,6 +570,8 @@ class RunConfig:
         client_level, secagg = self.engine.privacy.client_level, self.federation.secagg
         if not client_level.enabled:
             return
+        require(self.federation.compression.density == 1, "compression.density", self.federation.compression.density,
+                "must be 1 with privacy.client_level.enabled=true (its rotated, noised integers are not sparsified)")
         require(secagg.enabled, "privacy.client_level.enabled", True,
                 "needs secagg.enabled=true (without SecAgg+ the server would see each client's lightly noised update)")
         from flwr_verl.distributed_dp import plan_round  # it imports this module

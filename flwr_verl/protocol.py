@@ -61,6 +61,15 @@ class ClientLevelRound:
 
 
 @dataclass(frozen=True)
+class SparseRound:
+    """This round's sparse upload (``compression.density < 1``, ``compression.py``): send only the
+    coordinates ``coordinate_mask(seed, D, density)`` of the update, the same for every client."""
+
+    density: float
+    seed: int  # compression.round_seed(trainer.seed, server_round): data-independent
+
+
+@dataclass(frozen=True)
 class FitConfig:
     """The server's instructions for one client's fit."""
 
@@ -74,6 +83,7 @@ class FitConfig:
     # FedNova (``aggregation = "fednova"``): send the update divided by the iterations run. On the
     # client, because under SecAgg+ the server sees only the sum.
     normalize_update: bool = False
+    sparse: SparseRound | None = None  # None: the whole update travels
 
     def to_config(self) -> dict[str, bool | int | float | str]:
         config: dict[str, bool | int | float | str] = {
@@ -87,6 +97,8 @@ class FitConfig:
         if self.client_level is not None:
             config.update(client_level_num_clients=self.client_level.num_clients,
                           client_level_threshold=self.client_level.threshold)
+        if self.sparse is not None:
+            config.update(sparse_density=self.sparse.density, sparse_seed=self.sparse.seed)
         return config
 
     @classmethod
@@ -102,6 +114,8 @@ class FitConfig:
                                           _read(config, "client_level_threshold", int))
             if "client_level_num_clients" in config else None,
             normalize_update=_read(config, "normalize_update", bool, False),
+            sparse=SparseRound(_read(config, "sparse_density", float), _read(config, "sparse_seed", int))
+            if "sparse_density" in config else None,
         )
 
 

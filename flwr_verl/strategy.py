@@ -14,7 +14,9 @@ What the server does each round:
    FedAdam (Reddi et al. 2021), each with its own default learning rate. With
    ``aggregation = "fednova"`` clients send their update divided by the local iterations they
    ran and the mean is scaled by the mean iteration count (FedNova, Wang et al. 2020;
-   ``fednova_rescale``), so a client with more iterations does not dominate.
+   ``fednova_rescale``), so a client with more iterations does not dominate. With
+   ``compression.density < 1`` every client sent the same round-seeded coordinates only
+   (``compression.py``): the mean of those is scattered back, the rest get no update this round.
 3. Aggregate the clients' reports: num_examples-weighted means of the training metrics (when
    clients send them: ``privacy.metrics``); for epsilon the maximum over every client's latest
    privacy report (every client ever seen), so the federation's epsilon never decreases. These
@@ -75,6 +77,7 @@ from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 from flwr.server.strategy.aggregate import aggregate
 
+from flwr_verl.compression import coordinate_mask, round_seed, scatter
 from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig, FlwrVerlError
 from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
 from flwr_verl.protocol import (
@@ -87,6 +90,7 @@ from flwr_verl.protocol import (
     PrivacyReport,
     ProtocolError,
     SecAggBounds,
+    SparseRound,
     TrainingSummary,
 )
 from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS
@@ -224,11 +228,15 @@ class FedProxAdapters(Strategy):
         frozen_adapter: the fingerprint of the LoRA A factors frozen under ``model.lora_freeze_a``
             (``AdapterSet.frozen_fingerprint``), which the preflight asks every client to match;
             "" when none is frozen.
+        mask_seed: the run's ``trainer.seed``. Under ``compression.density < 1`` each round's
+            coordinate mask is drawn from ``round_seed(mask_seed, round)``, which the server
+            sends every client (``protocol.SparseRound``) and uses to scatter the mean back.
     """
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
                  secure_aggregation: SecAggBounds | None = None,
-                 client_level: ClientLevelConfig | None = None, frozen_adapter: str = "") -> None:
+                 client_level: ClientLevelConfig | None = None, frozen_adapter: str = "",
+                 mask_seed: int = 0) -> None:
         super().__init__()
         if client_level is not None and secure_aggregation is None:
             raise ConfigError("privacy.client_level.enabled=true needs secagg.enabled=true: without SecAgg+ the "
@@ -240,6 +248,7 @@ class FedProxAdapters(Strategy):
         self.local_iterations = local_iterations
         self.secure_aggregation = secure_aggregation
         self.frozen_adapter = frozen_adapter
+        self.mask_seed = mask_seed
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
                         for a in initial_arrays]
         lr, kind = config.effective_server_learning_rate, config.server_optimizer
@@ -352,7 +361,12 @@ class FedProxAdapters(Strategy):
             client_level=ClientLevelRound(self._round_plan[0].num_clients, self._round_plan[0].threshold)
             if self.client_level is not None else None,
             normalize_update=self.config.aggregation == "fednova",
+            sparse=self._sparse_round(self.round_number(server_round)),
         )
+
+    def _sparse_round(self, round_number: int) -> SparseRound | None:
+        density = self.config.compression.density
+        return SparseRound(density, round_seed(self.mask_seed, round_number)) if density < 1 else None
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: Failures) -> tuple[Parameters | None, dict[str, Scalar]]:
@@ -403,6 +417,14 @@ class FedProxAdapters(Strategy):
         else:
             mean_update = aggregate([(parameters_to_ndarrays(res.parameters), res.num_examples)
                                      for _, res, _ in contributing])
+        if sparse := self._sparse_round(round_number):  # the mean of the round's coordinates, back in place
+            shapes = [tuple(w.shape) for w in self.weights]
+            indices = coordinate_mask(sparse.seed, sum(w.numel() for w in self.weights), sparse.density)
+            if len(mean_update) != 1 or mean_update[0].shape != indices.shape:
+                raise RoundFailed(f"round {round_number}: compression.density={sparse.density} expects one vector of "
+                                  f"{indices.size} coordinates, the aggregate has shapes "
+                                  f"{[a.shape for a in mean_update]}; the global adapter is left unchanged")
+            mean_update = scatter(mean_update[0], indices, shapes)
         if self.config.aggregation == "fednova":
             mean_update = fednova_rescale(mean_update, [(res.num_examples, r) for _, res, r in contributing])
         self._server_step(mean_update)

@@ -17,6 +17,7 @@ from flwr_verl.protocol import (
     PrivacyReport,
     ProtocolError,
     SecAggBounds,
+    SparseRound,
     TrainingSummary,
 )
 
@@ -33,7 +34,9 @@ TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.3
     FitConfig(server_round=1, local_iterations=1, planned_iterations=8, proximal_mu=0.0,
               secagg=SecAggBounds(clipping_range=1.0, max_weight=4096.0), fail_partition=2),
     FitConfig(server_round=2, local_iterations=10, planned_iterations=80, proximal_mu=0.0, normalize_update=True),
-], ids=["plain", "secure", "fednova"])
+    FitConfig(server_round=4, local_iterations=2, planned_iterations=8, proximal_mu=0.0,
+              sparse=SparseRound(density=0.25, seed=2**62 + 5)),
+], ids=["plain", "secure", "fednova", "sparse"])
 def test_fit_config_round_trips_through_flowers_config(config):
     wire = config.to_config()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
