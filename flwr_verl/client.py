@@ -52,8 +52,9 @@ and a fit that ``time-budget-s`` stops sooner is over-counted, never under-count
 
 Under ``compression.density < 1`` the client sends only the round's coordinates, the same for
 every client (``FitConfig.sparse``, ``compression.py``), and keeps the rest as its error-feedback
-residual, added to its next round's update. The residual lives in this process, per run and
-partition (``cached_error_feedback``): it outlives a message, not the SuperNode's process.
+residual, added to its next round's update. A ClientApp keeps the residual in Flower's
+``Context.state`` (``compression.StateErrorFeedback``): each message runs in a fresh process, and
+the SuperNode keeps a run's state from message to message.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import numpy as np
 from flwr.app import Context
 from flwr.client import NumPyClient
 
-from flwr_verl.compression import ErrorFeedback, coordinate_mask, with_error_feedback
+from flwr_verl.compression import ErrorFeedback, StateErrorFeedback, coordinate_mask, with_error_feedback
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.data import Row
 from flwr_verl.ledger import (
@@ -112,7 +113,6 @@ _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
 _LEDGERS: dict[str, PrivacyLedger] = {}
 _REWARD_MODELS: dict[str, RewardModel] = {}
-_ERROR_FEEDBACK: dict[str, ErrorFeedback] = {}
 
 
 class NonFiniteUpdate(FlwrVerlError, ValueError):
@@ -140,13 +140,6 @@ def cached_reward_model(path: str, key: str, device) -> RewardModel:
     if cache_key not in _REWARD_MODELS:
         _REWARD_MODELS[cache_key] = load_reward_model(path, device, key=key)
     return _REWARD_MODELS[cache_key]
-
-
-def cached_error_feedback(run_id: str, partition_id: int) -> ErrorFeedback:
-    """This process's error-feedback residual for one run and partition (``compression.py``):
-    a ClientApp builds a client per message, the residual must last from round to round."""
-    key = repr((run_id, partition_id))
-    return _ERROR_FEEDBACK.setdefault(key, ErrorFeedback())
 
 
 def cached_rows(config: EngineConfig, split: str, partition_id: int, num_partitions: int) -> list[Row]:
@@ -405,7 +398,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
         ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
         reward_model_key=reward_model_key, budget=budget,
-        error_feedback=cached_error_feedback(str(context.run_id), partition_id),
+        error_feedback=StateErrorFeedback(context.state),
     )
 
 

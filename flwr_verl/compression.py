@@ -76,9 +76,33 @@ def with_error_feedback(update: list[np.ndarray], residual: list[np.ndarray] | N
 class ErrorFeedback:
     """One client's residual (arrays of the adapter's shapes; None before its first sparse round).
 
-    It lives as long as this object: a ``VerlClient`` built in process keeps its own; a ClientApp,
-    which builds a client per message, gets the process's one per run and partition
-    (``client.cached_error_feedback``), so it survives between messages but not a restart of the
-    SuperNode's process (the residual is then lost: at most one round's unsent part)."""
+    It lives as long as this object: a ``VerlClient`` built in process keeps its own. A ClientApp
+    runs each message in a fresh process, so it keeps the residual in Flower's ``Context.state``
+    instead (``StateErrorFeedback``), which the SuperNode holds from message to message of a run."""
 
     residual: list[np.ndarray] | None = None
+
+
+class StateErrorFeedback(ErrorFeedback):
+    """The residual stored in a Flower ``RecordDict`` (a ClientApp's ``context.state``): it
+    outlives the ClientApp process and stays on the node, as the SuperNode keeps a run's state
+    (a SuperNode restart loses it: at most the unsent part of the updates so far)."""
+
+    KEY = "flwr_verl.error_feedback"
+
+    def __init__(self, state) -> None:  # state: flwr.app.RecordDict
+        self._state = state
+
+    @property
+    def residual(self) -> list[np.ndarray] | None:
+        record = self._state.array_records.get(self.KEY)
+        return None if record is None else record.to_numpy_ndarrays()
+
+    @residual.setter
+    def residual(self, arrays: list[np.ndarray] | None) -> None:
+        from flwr.app import ArrayRecord
+
+        if arrays is None:
+            self._state.array_records.pop(self.KEY, None)
+        else:
+            self._state.array_records[self.KEY] = ArrayRecord([np.asarray(a) for a in arrays])

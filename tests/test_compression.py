@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flwr.app import RecordDict
 from flwr.common import parameters_to_ndarrays
 
-from flwr_verl.client import VerlClient, cached_error_feedback
-from flwr_verl.compression import coordinate_mask, round_seed, scatter, select, with_error_feedback
+from flwr_verl.client import VerlClient
+from flwr_verl.compression import (
+    StateErrorFeedback,
+    coordinate_mask,
+    round_seed,
+    scatter,
+    select,
+    with_error_feedback,
+)
 from flwr_verl.config import CompressionConfig, ConfigError, FederationConfig, SecAggConfig, parse_run_config
 from flwr_verl.data import load_rows
 from flwr_verl.inprocess import InProcessClients, fit_round
@@ -74,10 +82,16 @@ def test_compression_with_client_level_dp_is_refused():
         parse_run_config({"compression.density": 0.5, "privacy.client_level.enabled": True})
 
 
-def test_a_clientapp_keeps_one_residual_per_run_and_partition():
-    assert cached_error_feedback("run-a", 0) is cached_error_feedback("run-a", 0)
-    assert cached_error_feedback("run-a", 0) is not cached_error_feedback("run-a", 1)
-    assert cached_error_feedback("run-a", 0) is not cached_error_feedback("run-b", 0)
+def test_a_clientapp_keeps_its_residual_in_the_node_state_across_messages():
+    """Each message runs in a fresh ClientApp process: the residual must live in the run's
+    ``context.state``, which the SuperNode passes from message to message."""
+    state = RecordDict()
+    residual = [np.arange(6.0).reshape(2, 3), np.array([0.5, -1.0])]
+    assert StateErrorFeedback(state).residual is None
+    StateErrorFeedback(state).residual = residual
+    kept = StateErrorFeedback(state).residual  # a later message's client, same state
+    assert all(np.array_equal(k, r) for k, r in zip(kept, residual))
+    assert StateErrorFeedback(RecordDict()).residual is None  # another run's state has none
 
 
 @pytest.fixture(scope="module")
