@@ -81,13 +81,14 @@ def test_what_the_strategy_receives_under_dp_and_what_the_ledger_spent(dp_metric
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=1, min_available_clients=1,
                                                 secagg=SecAggConfig(enabled=False)),
                                client.adapters.get_arrays(), local_iterations=2)
-    (_, res), = fit_round(strategy, InProcessClients({"0": client}), 1)[0]
+    ((_, res),), round_metrics = fit_round(strategy, InProcessClients({"0": client}), 1)
     protocol = {"status", "partition_id", "client_id", "bytes_received", "bytes_sent", "iterations"}
     noised = {"training_dp.reward_mean", "training_dp.response_length",
               "training_dp.reward_mean_noise_std", "training_dp.response_length_noise_std"}
     assert {k for k in res.metrics if not k.startswith("privacy.")} == protocol | noised
     report = FitReport.from_metrics(res.metrics)
     assert report.training is None and all(math.isfinite(v) for v in vars(report.training_dp).values())
+    assert round_metrics["dp_reward_mean"] == report.training_dp.reward_mean  # one client: its own value
     assert report.training_dp.reward_mean_noise_std == pytest.approx(2 * 2.0 * (math.sqrt(2) / 2) / (math.sqrt(2) * 8))
 
     sigma, sigma_m, epochs, q = 1.0, 2.0, 2, 8 / 32
