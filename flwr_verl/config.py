@@ -451,6 +451,9 @@ class EngineConfig:
                     self.actor.loss_agg_mode,
                     f"under privacy.enabled=true allowed: {', '.join(PER_SEQUENCE_AGG_MODES)} "
                     "(token-mean divides by the batch's token count, coupling privacy units)")
+            require(self.privacy.metrics != "dp" or self.stage == "policy", "privacy.metrics", self.privacy.metrics,
+                    "'dp' releases the policy stage's sampled reward and response length; under stage="
+                    "'reward_model' use 'none' or 'clear'")
             require(self.privacy.metrics != "dp" or self.custom_reward_function.clip > 0, "custom_reward_function.clip",
                     self.custom_reward_function.clip,
                     "must be > 0 under privacy.metrics='dp': the clip is the range of the released mean reward, "

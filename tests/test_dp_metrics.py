@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flwr_verl.client import VerlClient
-from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
+from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig, parse_run_config
 from flwr_verl.data import load_rows
 from flwr_verl.inprocess import InProcessClients, fit_round
 from flwr_verl.ledger import DataSetKey, PrivacyLedger
@@ -142,3 +142,9 @@ def test_target_epsilon_is_met_with_the_metrics_release(tiny_config):
 def test_bad_dp_metrics_config_names_the_key(tiny_config, privacy, reward, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.") + "="):
         tiny_config(privacy=privacy, custom_reward_function=reward)
+
+
+def test_dp_metrics_are_refused_for_the_reward_model_stage():
+    with pytest.raises(ConfigError, match=r"privacy\.metrics='dp'.*stage='reward_model'"):
+        parse_run_config({"stage": "reward_model", "custom_reward_function.clip": 1.0,
+                          **{f"privacy.{key}": value for key, value in DP_METRICS_ON.items()}})
