@@ -148,3 +148,10 @@ def test_dp_metrics_are_refused_for_the_reward_model_stage():
     with pytest.raises(ConfigError, match=r"privacy\.metrics='dp'.*stage='reward_model'"):
         parse_run_config({"stage": "reward_model", "custom_reward_function.clip": 1.0,
                           **{f"privacy.{key}": value for key, value in DP_METRICS_ON.items()}})
+
+
+def test_the_progress_line_shows_the_noised_reward():
+    from flwr_verl.workflow import progress_line
+
+    record = {"round": 2, "seconds": 3.0, "fit": {"dp_reward_mean": 0.41, "dp_response_length": 5.2}}
+    assert progress_line(record, 4).startswith("round 2/4: noised reward 0.410 | not evaluated")
