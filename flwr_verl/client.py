@@ -83,10 +83,14 @@ from flwr_verl.ledger import (
 )
 from flwr_verl.models import Models, check_lengths
 from flwr_verl.privacy import (
+    DP_METRICS,
     PRIVACY_UNIT,
     IterationMechanism,
     PrivacyAccount,
+    metric_ranges,
     noise_for_target_epsilon,
+    release_metrics,
+    released_metric_std,
     sample_rate,
 )
 from flwr_verl.protocol import (
@@ -94,6 +98,7 @@ from flwr_verl.protocol import (
     STATUS_OK,
     FitConfig,
     FitReport,
+    NoisedTrainingMetrics,
     PreflightConfig,
     PrivacyReport,
     TrainingSummary,
@@ -296,7 +301,8 @@ class VerlClient(NumPyClient):
             time_budget_s=self.budget.seconds,
         )
         # A time budget may stop the fit sooner: the ledger then over-counts, which is safe.
-        if mechanism is not None and (result.mechanism != mechanism or result.iterations > iterations):
+        if mechanism is not None and (result.mechanism != dataclasses.replace(mechanism, metrics_noise_multiplier=0.0)
+                                      or result.iterations > iterations):
             raise LedgerError(f"the fit spent {result.iterations} x {result.mechanism}, more than the {iterations} x "
                               f"{mechanism} the ledger recorded; not sent")
         # SecAgg+ quantizes in the dtype it receives: float64 keeps its 2e-9 steps (float32 alone
@@ -327,6 +333,8 @@ class VerlClient(NumPyClient):
             privacy=self._privacy_report(spend.before, spend.after, mechanism, iterations) if spend else None,
             training=(summarize_training(result.metrics, time.perf_counter() - start)
                       if self.config.privacy.sent_metrics == "clear" else None),
+            training_dp=(self._noised_metrics(result.metrics, instructions)
+                         if self.config.privacy.sent_metrics == "dp" and result.iterations else None),
         )
         return update, weight, report.to_metrics()
 
@@ -351,6 +359,21 @@ class VerlClient(NumPyClient):
                 if self.config.privacy.deterministic else None)  # None: the OS's entropy
         return encode_update(update, plan, instructions.server_round, np.random.default_rng(seed))
 
+    def _noised_metrics(self, iterations: list[dict[str, float]], instructions: FitConfig) -> NoisedTrainingMetrics:
+        """``privacy.metrics = "dp"``: the fit's mean reward and response length, noised
+        (``privacy.release_metrics``); the ledger recorded their spend with the update's."""
+        privacy = self.config.privacy
+        ranges = metric_ranges(self.config.custom_reward_function.clip, self.config.rollout.response_length)
+        sums = {name: sum(m.get(f"dp_sum_{name}", 0.0) for m in iterations) for name in DP_METRICS}
+        seed = ((self.config.trainer.seed, instructions.server_round, self.partition_id, 1)
+                if privacy.deterministic else None)  # None: the OS's entropy
+        shape = {"noise_multiplier": privacy.metrics_noise_multiplier, "iterations": len(iterations),
+                 "batch_size": self.config.data.train_batch_size}
+        released = release_metrics(sums, ranges, rng=np.random.default_rng(seed), **shape)
+        return NoisedTrainingMetrics(**released, **{
+            f"{name}_noise_std": released_metric_std(*ranges[name], num_metrics=len(DP_METRICS), **shape)
+            for name in DP_METRICS})
+
     # ------------------------------------------------------------------ privacy state
     @functools.cached_property
     def data_set(self) -> DataSetKey:
@@ -368,7 +391,8 @@ class VerlClient(NumPyClient):
         q = sample_rate(self.config.data.train_batch_size, len(self.train_rows))
         sigma = (noise_for_target_epsilon(privacy, q, instructions.planned_iterations, self.config.actor.ppo_epochs)
                  if privacy.target_epsilon else privacy.noise_multiplier)
-        return IterationMechanism(sigma, q, self.config.actor.ppo_epochs)
+        metrics_sigma = privacy.metrics_noise_multiplier if privacy.sent_metrics == "dp" else 0.0
+        return IterationMechanism(sigma, q, self.config.actor.ppo_epochs, metrics_sigma)
 
     def _privacy_report(self, before: PrivacyAccount, after: PrivacyAccount, mechanism: IterationMechanism,
                         iterations: int) -> PrivacyReport:

@@ -31,7 +31,7 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # Opacus modes that materialise per-row gradients, which are pooled per prompt before clipping.
 # "ghost" never materialises them and "ew" needs a positional-input module: neither fits.
 GRAD_SAMPLE_MODES = ("hooks", "functorch")
-PRIVACY_METRICS = ("auto", "clear", "none")
+PRIVACY_METRICS = ("auto", "clear", "none", "dp")
 NUM_EXAMPLES_WEIGHTS = ("exact", "bucketed", "fixed")
 
 
@@ -298,8 +298,11 @@ class PrivacyConfig:
     # knows the seed can subtract the noise, which voids the guarantee.
     deterministic: bool = False
     # Training metrics on the private prompts (reward, KL, lengths, losses, timings), which no
-    # epsilon covers: "clear" sends them, "none" does not, "auto" is "none" under DP.
+    # epsilon covers: "clear" sends them, "none" does not, "auto" is "none" under DP; "dp" sends
+    # the mean sampled reward and response length with Gaussian noise, spent in the same account
+    # (``privacy.DP_METRICS``), at metrics_noise_multiplier.
     metrics: str = "auto"
+    metrics_noise_multiplier: float = 4.0
     # The weight sent as num_examples: "exact" (the prompt count: FedAvg's weighting), "bucketed"
     # (rounded up to a power of two) or "fixed" (1: every client weighs the same).
     num_examples: str = "exact"
@@ -327,6 +330,11 @@ class PrivacyConfig:
         require(self.epsilon_budget >= 0, "privacy.epsilon_budget", self.epsilon_budget, "must be >= 0 (0 = none)")
         require(self.metrics in PRIVACY_METRICS, "privacy.metrics", self.metrics,
                 f"allowed: {', '.join(PRIVACY_METRICS)}")
+        require(self.metrics != "dp" or self.enabled, "privacy.metrics", self.metrics,
+                "'dp' needs privacy.enabled=true (its noise is accounted with the DP-SGD update's); "
+                "without DP use 'clear' or 'none'")
+        require(self.metrics != "dp" or self.metrics_noise_multiplier > 0, "privacy.metrics_noise_multiplier",
+                self.metrics_noise_multiplier, "must be > 0 under privacy.metrics='dp'")
         require(self.num_examples in NUM_EXAMPLES_WEIGHTS, "privacy.num_examples", self.num_examples,
                 f"allowed: {', '.join(NUM_EXAMPLES_WEIGHTS)}")
 
@@ -443,6 +451,13 @@ class EngineConfig:
                     self.actor.loss_agg_mode,
                     f"under privacy.enabled=true allowed: {', '.join(PER_SEQUENCE_AGG_MODES)} "
                     "(token-mean divides by the batch's token count, coupling privacy units)")
+            require(self.privacy.metrics != "dp" or self.stage == "policy", "privacy.metrics", self.privacy.metrics,
+                    "'dp' releases the policy stage's sampled reward and response length; under stage="
+                    "'reward_model' use 'none' or 'clear'")
+            require(self.privacy.metrics != "dp" or self.custom_reward_function.clip > 0, "custom_reward_function.clip",
+                    self.custom_reward_function.clip,
+                    "must be > 0 under privacy.metrics='dp': the clip is the range of the released mean reward, "
+                    "so its sensitivity is known")
             require(not (self.deidentify.enabled and self.deidentify.protect_prompts), "deidentify.protect_prompts",
                     self.deidentify.protect_prompts,
                     "under privacy.enabled=true only false: a filter made of the training prompts makes every "

@@ -53,8 +53,11 @@ CREATE TABLE IF NOT EXISTS spends (
     fingerprint TEXT NOT NULL, unit TEXT NOT NULL, run_id TEXT NOT NULL, server_round INTEGER NOT NULL,
     noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL, ppo_epochs INTEGER NOT NULL,
     iterations INTEGER NOT NULL, recorded REAL NOT NULL,
+    metrics_noise_multiplier REAL NOT NULL DEFAULT 0,
     FOREIGN KEY (fingerprint, unit) REFERENCES data_sets (fingerprint, unit));
 """
+# Ledgers written before the metrics' mechanism was recorded get its column (0: no metric released).
+_MIGRATION = "ALTER TABLE spends ADD COLUMN metrics_noise_multiplier REAL NOT NULL DEFAULT 0"
 
 
 class LedgerError(FlwrVerlError, RuntimeError):
@@ -147,6 +150,9 @@ class PrivacyLedger:
             with self._transaction():
                 for statement in _SCHEMA.split(";"):
                     self._db.execute(statement)
+                columns = {row[1] for row in self._db.execute("PRAGMA table_info(spends)")}
+                if "metrics_noise_multiplier" not in columns:
+                    self._db.execute(_MIGRATION)
         except (sqlite3.Error, LedgerError) as error:
             raise LedgerError(f"node config {NODE_PRIVACY_LEDGER}={str(path)!r}: the privacy ledger must be a "
                               f"writable SQLite file: {error}") from error
@@ -170,9 +176,9 @@ class PrivacyLedger:
                              (key.fingerprint, key.unit, key.description, now))
             self._db.execute(
                 "INSERT INTO spends (fingerprint, unit, run_id, server_round, noise_multiplier, sample_rate, "
-                "ppo_epochs, iterations, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ppo_epochs, iterations, recorded, metrics_noise_multiplier) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (key.fingerprint, key.unit, str(run_id), server_round, mechanism.noise_multiplier,
-                 mechanism.sample_rate, mechanism.ppo_epochs, iterations, now))
+                 mechanism.sample_rate, mechanism.ppo_epochs, iterations, now, mechanism.metrics_noise_multiplier))
             return Spend(before, after, refused=False)
 
     @contextlib.contextmanager
@@ -196,8 +202,8 @@ class PrivacyLedger:
     # ------------------------------------------------------------------ reading
     def _spends(self, where: str = "", args: tuple = ()) -> list[tuple]:
         return self._db.execute(
-            "SELECT fingerprint, unit, run_id, server_round, noise_multiplier, sample_rate, ppo_epochs, iterations "
-            f"FROM spends {where} ORDER BY id", args).fetchall()
+            "SELECT fingerprint, unit, run_id, server_round, noise_multiplier, sample_rate, ppo_epochs, iterations, "
+            f"metrics_noise_multiplier FROM spends {where} ORDER BY id", args).fetchall()
 
     def _account(self, key: DataSetKey, accountant: str) -> PrivacyAccount:
         return _account_of(self._spends("WHERE fingerprint = ? AND unit = ?", (key.fingerprint, key.unit)),
@@ -222,8 +228,8 @@ class PrivacyLedger:
 
 def _account_of(rows: list[tuple], accountant: str) -> PrivacyAccount:
     account = PrivacyAccount(accountant)
-    for *_, sigma, q, epochs, iterations in rows:
-        account.record(IterationMechanism(sigma, q, epochs), iterations)
+    for *_, sigma, q, epochs, iterations, metrics_sigma in rows:
+        account.record(IterationMechanism(sigma, q, epochs, metrics_sigma), iterations)
     return account
 
 

@@ -73,11 +73,21 @@ class IterationMechanism:
     noise_multiplier: float
     sample_rate: float
     ppo_epochs: int = 1
+    # > 0: the iteration also releases the training metrics' noisy sums over the same draw at this
+    # noise multiplier (``privacy.metrics = "dp"``, ``release_metrics``); 0: no metric is released.
+    metrics_noise_multiplier: float = 0.0
 
     @property
     def effective_noise_multiplier(self) -> float:
-        """The K releases composed: one Gaussian mechanism at sigma / sqrt(K)."""
-        return self.noise_multiplier / math.sqrt(self.ppo_epochs)
+        """The K releases composed: one Gaussian mechanism at sigma / sqrt(K). With the metrics'
+        release, which uses the same Poisson draw, the K + 1 Gaussian releases of a sampled unit
+        compose to one at 1 / sqrt(K / sigma^2 + 1 / sigma_m^2), subsampled once (two separate
+        Sampled Gaussian entries would assume two independent draws)."""
+        if self.metrics_noise_multiplier == 0:
+            return self.noise_multiplier / math.sqrt(self.ppo_epochs)
+        if self.noise_multiplier == 0:
+            return 0.0
+        return 1 / math.sqrt(self.ppo_epochs / self.noise_multiplier ** 2 + 1 / self.metrics_noise_multiplier ** 2)
 
 
 class PrivacyAccountError(FlwrVerlError, ValueError):
@@ -173,7 +183,8 @@ def _rdp_of_one_step(q: float, sigma: float) -> np.ndarray:
 
 
 def noise_for_target_epsilon(config: PrivacyConfig, q: float, total_iterations: int, ppo_epochs: int) -> float:
-    """The noise multiplier that spends ``config.target_epsilon`` over all planned iterations."""
+    """The noise multiplier that spends ``config.target_epsilon`` over all planned iterations
+    (with the metrics' release under ``privacy.metrics = "dp"``, which shares the budget)."""
     from opacus.accountants.utils import get_noise_multiplier
 
     try:
@@ -186,7 +197,70 @@ def noise_for_target_epsilon(config: PrivacyConfig, q: float, total_iterations: 
             f"privacy.target_epsilon={config.target_epsilon} cannot be met with delta={config.delta}, q={q:.4g} "
             f"and {total_iterations} iterations: {error}"
         ) from error
-    return sigma_eff * math.sqrt(ppo_epochs)
+    if config.sent_metrics != "dp":
+        return sigma_eff * math.sqrt(ppo_epochs)
+    # IterationMechanism.effective_noise_multiplier solved for the update's sigma.
+    if config.metrics_noise_multiplier <= sigma_eff:
+        raise ConfigError(
+            f"privacy.metrics_noise_multiplier={config.metrics_noise_multiplier} is invalid with "
+            f"privacy.target_epsilon={config.target_epsilon}: the metrics alone would spend the target; "
+            f"it must be > {sigma_eff:.4g} (the whole iteration's noise multiplier)")
+    return math.sqrt(ppo_epochs / (1 / sigma_eff ** 2 - 1 / config.metrics_noise_multiplier ** 2))
+
+
+# ----------------------------------------------------------------------------- released training metrics
+# ``privacy.metrics = "dp"``: the training metrics a client releases, each a bounded per-prompt
+# mean. The sampled reward (the signal RLHF is judged by) and the response length (the usual sign of
+# length hacking and collapse) are the two whose per-prompt value has a natural, stated range:
+# scores are clipped to [-custom_reward_function.clip, clip] and lengths lie in [0,
+# rollout.response_length]. KL and the losses have no such bound, and timings are not per prompt.
+DP_METRICS = ("reward_mean", "response_length")
+
+
+def metric_ranges(reward_clip: float, response_length: int) -> dict[str, tuple[float, float]]:
+    """The range each of ``DP_METRICS``' per-prompt values is clipped to."""
+    return {"reward_mean": (-reward_clip, reward_clip), "response_length": (0.0, float(response_length))}
+
+
+def centered_prompt_sum(values: torch.Tensor, low: float, high: float) -> float:
+    """Sum over prompts of clip(v, low, high) rescaled to [-1/2, 1/2]: adding or removing one
+    prompt changes it by at most 1/2. ``values``: (prompts,), one per-prompt mean each."""
+    return float(((values.clamp(low, high) - low) / (high - low) - 0.5).sum())
+
+
+def metrics_sensitivity(num_metrics: int) -> float:
+    """L2 sensitivity of one iteration's vector of ``centered_prompt_sum`` s (one prompt moves each
+    coordinate by at most 1/2)."""
+    return math.sqrt(num_metrics) / 2
+
+
+def released_metric_std(low: float, high: float, *, num_metrics: int, noise_multiplier: float,
+                        iterations: int, batch_size: int) -> float:
+    """Std of the noise in one value of ``release_metrics``, in the metric's own units."""
+    std_of_sum = noise_multiplier * metrics_sensitivity(num_metrics) * math.sqrt(iterations)
+    return (high - low) * std_of_sum / (iterations * batch_size)
+
+
+def release_metrics(centered_sums: dict[str, float], ranges: dict[str, tuple[float, float]], *,
+                    iterations: int, batch_size: int, noise_multiplier: float,
+                    rng: np.random.Generator) -> dict[str, float]:
+    """The round's noised metrics: per-prompt means over every iteration's sampled prompts.
+
+    ``centered_sums[name]`` is the round's sum of each iteration's ``centered_prompt_sum``. Each
+    iteration's vector of sums is a Gaussian release at ``noise_multiplier`` times
+    ``metrics_sensitivity`` over that iteration's Poisson draw (accounted with the update, see
+    ``IterationMechanism.metrics_noise_multiplier``); their sum is drawn here with one Gaussian of
+    sqrt(iterations) times that std, the same distribution. The denominator is fixed,
+    ``iterations * batch_size`` (the expected number of sampled prompts), never the realised
+    count, which would depend on the data.
+    """
+    std_of_sum = noise_multiplier * metrics_sensitivity(len(centered_sums)) * math.sqrt(iterations)
+    released = {}
+    for name, total in centered_sums.items():
+        low, high = ranges[name]
+        noisy = total + rng.normal(0.0, std_of_sum)
+        released[name] = low + (high - low) * (0.5 + noisy / (iterations * batch_size))
+    return released
 
 
 # ----------------------------------------------------------------------------- the private update

@@ -164,6 +164,18 @@ class TrainingSummary:
 
 
 @dataclass(frozen=True)
+class NoisedTrainingMetrics:
+    """``privacy.metrics = "dp"``: one fit's training metrics on the private prompts, each a
+    per-prompt mean clipped to a stated range, with Gaussian noise of the stated std, accounted in
+    the client's privacy ledger with its update (``privacy.release_metrics``)."""
+
+    reward_mean: float  # mean sampled reward per prompt, clipped to [-custom_reward_function.clip, clip]
+    response_length: float  # mean response length per prompt, in [0, rollout.response_length]
+    reward_mean_noise_std: float
+    response_length_noise_std: float
+
+
+@dataclass(frozen=True)
 class PrivacyReport:
     """What a fit spent, and what one more round would bring the client to."""
 
@@ -200,6 +212,7 @@ class FitReport:
     iterations: int = 0
     privacy: PrivacyReport | None = None  # None without DP
     training: TrainingSummary | None = None  # None when the client refused the round
+    training_dp: NoisedTrainingMetrics | None = None  # only under privacy.metrics = "dp" (then training is None)
 
     def to_metrics(self) -> dict[str, bool | int | float | str]:
         metrics: dict[str, bool | int | float | str] = {
@@ -210,6 +223,8 @@ class FitReport:
             metrics.update({f"privacy.{k}": v for k, v in self.privacy.to_json_dict().items()})
         if self.training is not None:
             metrics.update({f"training.{k}": v for k, v in dataclasses.asdict(self.training).items()})
+        if self.training_dp is not None:
+            metrics.update({f"training_dp.{k}": v for k, v in dataclasses.asdict(self.training_dp).items()})
         return metrics
 
     @classmethod
@@ -223,10 +238,12 @@ class FitReport:
                 {k.removeprefix("privacy."): v for k, v in metrics.items() if k.startswith("privacy.")})
         if "training.reward_mean" in metrics:
             training = TrainingSummary(**_read_fields(TrainingSummary, metrics, "training."))
+        training_dp = (NoisedTrainingMetrics(**_read_fields(NoisedTrainingMetrics, metrics, "training_dp."))
+                       if "training_dp.reward_mean" in metrics else None)
         return cls(status=status, partition_id=_read(metrics, "partition_id", int),
                    client_id=_read(metrics, "client_id", str), bytes_received=_read(metrics, "bytes_received", int),
                    bytes_sent=_read(metrics, "bytes_sent", int), iterations=_read(metrics, "iterations", int),
-                   privacy=privacy, training=training)
+                   privacy=privacy, training=training, training_dp=training_dp)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ from flwr.server.strategy.aggregate import aggregate
 from flwr_verl.compression import coordinate_mask, round_seed, scatter
 from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig, FlwrVerlError
 from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
+from flwr_verl.privacy import DP_METRICS
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     ClientLevelRound,
@@ -199,6 +200,9 @@ def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, Privac
     if trained:  # the round waits for its slowest client: what a framework's overhead is measured against
         out["time_fit_max"] = max(t.time_fit for _, t in trained)
         out["time_fit_sum"] = sum(t.time_fit for _, t in trained)
+    noised = [(n, r.training_dp) for n, r in reports if r.training_dp is not None]  # privacy.metrics = "dp"
+    for name in DP_METRICS if noised else ():
+        out[f"dp_{name}"] = weighted_mean([(n, getattr(t, name)) for n, t in noised])
     private = [r.privacy for _, r in reports if r.privacy is not None]
     if private:
         out["epsilon_round"] = max(p.epsilon_round for p in private)
@@ -444,7 +448,9 @@ class FedProxAdapters(Strategy):
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_total")
         training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}, kl {metrics['kl']:.4f}"
-                    if "reward_before" in metrics else "training metrics not sent")
+                    if "reward_before" in metrics else
+                    f"noised reward {metrics['dp_reward_mean']:.3f}, response length {metrics['dp_response_length']:.1f}"
+                    if "dp_reward_mean" in metrics else "training metrics not sent")
         log(INFO, "round %s: %s, epsilon %s, %s clients, %s failed, %s refused", round_number, training,
             "off" if epsilon is None else f"{epsilon:.2f}", len(contributing), len(messages), len(refused))
         log(INFO, "round %s: local iterations per client: %s", round_number,

@@ -44,7 +44,14 @@ from flwr_verl.config import EngineConfig
 from flwr_verl.data import Row
 from flwr_verl.deidentify import build_processors
 from flwr_verl.models import Models, build_models
-from flwr_verl.privacy import IterationMechanism, PrivateUpdate, make_private, sample_rate
+from flwr_verl.privacy import (
+    IterationMechanism,
+    PrivateUpdate,
+    centered_prompt_sum,
+    make_private,
+    metric_ranges,
+    sample_rate,
+)
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.proximal import Proximal
 from flwr_verl.reward_model import LearnedReward, RewardModel
@@ -310,6 +317,11 @@ class LocalPPOTrainer:
             "proximal_term": fit.update.proximal.term(self.policy_params).item(),
             **{f"time_{phase}": seconds for phase, seconds in timings.items()},
         })
+        if cfg.privacy.sent_metrics == "dp":  # per-prompt means, clipped, for release_metrics
+            per_prompt = {"reward_mean": batch.batch["token_level_scores"].sum(-1), "response_length": mask.sum(-1)}
+            ranges = metric_ranges(cfg.custom_reward_function.clip, cfg.rollout.response_length)
+            metrics.update({f"dp_sum_{name}": centered_prompt_sum(values.view(len(rows), -1).mean(-1), *ranges[name])
+                            for name, values in per_prompt.items()})
         return metrics
 
     # ------------------------------------------------------------------ forward passes

@@ -173,6 +173,7 @@ def progress_line(record: dict, rounds: int) -> str:
     epsilon so far against the strictest budget, seconds, and bytes up and down."""
     fit, evaluation = record.get("fit", {}), record.get("evaluate", {})
     parts = [f"reward {fit['reward_before']:.3f} -> {fit['reward_after']:.3f}" if "reward_before" in fit
+             else f"noised reward {fit['dp_reward_mean']:.3f}" if "dp_reward_mean" in fit
              else "training metrics not sent",
              f"held-out accuracy {evaluation['accuracy']:.3f}" if "accuracy" in evaluation else "not evaluated"]
     if "epsilon_total" in fit:
