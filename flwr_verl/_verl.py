@@ -9,47 +9,23 @@ Only verl's light modules are imported: ``core_algos``, the configs, ``torch_fun
 the reward scorers. ``verl.trainer.ppo.ray_trainer`` (the Ray driver: pandas, datasets, FastAPI,
 uvicorn, torchdata) and ``verl.workers.reward_manager`` (pydantic, aiohttp) are not; the three
 small driver functions this engine uses from ``ray_trainer`` are restated below over
-``core_algos``, and the reward manager lives in ``flwr_verl.rewards``. Ray itself is deferred
-(``_RayOnFirstUse``): ``verl.protocol`` imports it at module level only for
-``DataProtoFuture``, the handle of a result between Ray workers, which one process never makes.
+``core_algos``, and the reward manager lives in ``flwr_verl.rewards``. Ray itself is still
+imported (about 1.4 s and 50 MiB): ``verl.protocol``, which defines ``DataProto``, imports it at
+module level. A stand-in module in ``sys.modules`` during verl's import would avoid that, but
+it races with any thread that imports Ray meanwhile (Flower's simulation runtime does, beside
+the ServerApp), so it is not done.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-import types
 import warnings
 
 import torch
 
-
-class _RayOnFirstUse(types.ModuleType):
-    """What ``verl.protocol``'s ``import ray`` gets when Ray is not imported yet: reading any
-    attribute imports the real Ray and reads it there. During verl's import the only read is the
-    annotation ``list[ray.ObjectRef]`` of ``DataProtoFuture``, which gets the forward reference
-    ``"ray.ObjectRef"`` (what ``from __future__ import annotations`` would store) instead of
-    importing Ray for it."""
-
-    def __init__(self) -> None:
-        super().__init__("ray")
-        self.importing_verl = True
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if self.importing_verl and name == "ObjectRef":
-            return "ray.ObjectRef"
-        if sys.modules.get("ray") is self:
-            del sys.modules["ray"]
-        return getattr(importlib.import_module("ray"), name)
-
-
 _root = logging.getLogger()
 _handlers_before = list(_root.handlers)
 _level_before = _root.level
-_ray = None if "ray" in sys.modules else sys.modules.setdefault("ray", _RayOnFirstUse())
 logging.disable(logging.WARNING)  # verl logs "no accelerator" warnings while it imports
 try:
     with warnings.catch_warnings():
@@ -64,10 +40,6 @@ try:
         from verl.utils.reward_score import default_compute_score
         from verl.workers.config import ActorConfig as VerlActorConfig
 finally:
-    if _ray is not None:
-        _ray.importing_verl = False
-        if sys.modules.get("ray") is _ray:
-            del sys.modules["ray"]  # a later ``import ray`` imports the real one
     logging.disable(logging.NOTSET)
     _root.handlers[:] = _handlers_before
     _root.setLevel(_level_before)
