@@ -505,11 +505,16 @@ def test_superlink_killed_after_round_1_resumes_at_round_2_from_the_saved_adapte
     assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]  # the privacy ledger carried over
     steps = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
               load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
-    assert sorted(steps[0]) == ["0", "2"] and sorted(steps[1]) == ["0", "1", "2"]  # partition 1 failed in round 1
-    assert all(steps[1][c] == 2 * steps[0][c] > 0 for c in steps[0]) and 0 < steps[1]["1"] == steps[0]["0"]
+    # Keyed by Flower's node id. Partition 1 failed in round 1 (before spending anything), so
+    # round 1 holds 2 reports and round 2 all 3: the 2 at two rounds' steps, the third at one.
+    (late,) = set(steps[1]) - set(steps[0])
+    assert len(steps[0]) == 2 and len(steps[1]) == 3 and set(steps[0]) < set(steps[1])
+    assert all(steps[1][c] == 2 * steps[0][c] > 0 for c in steps[0])
+    assert {steps[1][late]} == set(steps[0].values())
     assert (run_dir / "adapters" / "final" / "policy").is_dir()
     # Flower counts the resumed run's rounds from 1; the app's own round numbers go on from 2.
-    assert "round 2: reward" in log and "round 1: reward" not in log and log.count("Secure aggregation completed") == 1
+    assert "round 2: training metrics not sent" in log and "round 1: training" not in log  # DP: privacy.metrics=none
+    assert log.count("Secure aggregation completed") == 1
 
 
 @pytest.mark.slow
