@@ -217,6 +217,9 @@ class VerlClient(NumPyClient):
         self.partition_id = partition_id
         self.client_id = str(partition_id) if client_id is None else str(client_id)
         self.train_rows, self.val_rows = train_rows, val_rows
+        # Without a ledger (in-process experiments) spends last as long as this client object.
+        self.ledger = ledger or PrivacyLedger(IN_MEMORY)
+        self.run_id = run_id
         privacy = config.privacy
         if privacy.enabled and train_rows and privacy.delta >= 1 / len(train_rows):
             raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
@@ -238,9 +241,6 @@ class VerlClient(NumPyClient):
         self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score,
                                        reward_model=reward_model)
         self.adapters = self.trainer.models.adapters
-        # Without a ledger (in-process experiments) spends last as long as this client object.
-        self.ledger = ledger or PrivacyLedger(IN_MEMORY)
-        self.run_id = run_id
 
     # ------------------------------------------------------------------ Flower API
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:

@@ -278,12 +278,14 @@ class LocalRewardModelTrainer:
         self.policy_params = [p for p in self.model.parameters() if p.requires_grad]
 
     def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
-            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0):
-        from flwr_verl.trainer import FitResult
+            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0,
+            time_budget_s: float | None = None):
+        """As ``trainer.LocalPPOTrainer.fit``: up to ``iterations``, none started after ``time_budget_s``."""
+        from flwr_verl.trainer import FitResult, run_iterations
 
         with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
                             seed=seed) as fit:
-            metrics = [self.iteration(fit) for _ in range(iterations)]
+            metrics = run_iterations(lambda: self.iteration(fit), iterations, time_budget_s)
         return FitResult(metrics=metrics, mechanism=fit.mechanism)
 
     @contextmanager

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,12 +226,9 @@ class LocalPPOTrainer:
         """Run ``iterations`` RL iterations (other arguments as in ``start_fit``), or fewer when
         ``time_budget_s`` seconds have passed: no iteration starts after that (the first always
         runs). ``FitResult.iterations`` is what ran."""
-        deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
-        metrics = []
         with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
                             seed=seed) as fit:
-            while len(metrics) < iterations and (not metrics or deadline is None or time.perf_counter() < deadline):
-                metrics.append(self.iteration(fit))
+            metrics = run_iterations(lambda: self.iteration(fit), iterations, time_budget_s)
         return FitResult(metrics=metrics, mechanism=fit.mechanism)
 
     @contextmanager
@@ -405,6 +402,17 @@ class LocalPPOTrainer:
         optimizer.step()
         optimizer.zero_grad()
         return {"vf_loss": vf_loss.item(), "vf_clipfrac": float(vf_clipfrac)}
+
+
+def run_iterations(iteration: Callable[[], dict[str, float]], iterations: int,
+                   time_budget_s: float | None) -> list[dict[str, float]]:
+    """The metrics of up to ``iterations`` calls of ``iteration``; none starts once
+    ``time_budget_s`` seconds have passed (the first always runs). Shared by every local objective."""
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    metrics: list[dict[str, float]] = []
+    while len(metrics) < iterations and (not metrics or deadline is None or time.perf_counter() < deadline):
+        metrics.append(iteration())
+    return metrics
 
 
 def _uses_dropout(model: torch.nn.Module) -> bool:

@@ -195,3 +195,21 @@ def test_a_short_stage_1_beats_chance_on_held_out_pairs():
     trainer.fit(40, seed=0)
     after = trainer.evaluate(held_out).accuracy
     assert after >= max(before, 0.5) + 0.1, (before, after)
+
+
+def test_a_stage_1_client_fits_under_dp_and_a_node_time_budget(trainee):
+    """The client's fit, as a ClientApp runs it, on stage ``reward_model``: a node's
+    ``time-budget-s`` reaches the Bradley-Terry trainer as it does the PPO one (the first
+    iteration always runs), and the spend is in the privacy report."""
+    from flwr_verl.client import VerlClient
+    from flwr_verl.config import LocalBudget
+    from flwr_verl.protocol import FitConfig, FitReport
+
+    config, models = trainee
+    client = VerlClient(config, load_units(config.data, "train", 0), load_units(config.data, "val", 0),
+                        models=models, budget=LocalBudget(seconds=1e-9))
+    instructions = FitConfig(server_round=1, local_iterations=3, planned_iterations=3, proximal_mu=0.0)
+    update, weight, metrics = client.fit(client.get_parameters({}), instructions.to_config())
+    report = FitReport.from_metrics(metrics)
+    assert report.iterations == 1 and weight > 0 and any(abs(a).max() > 0 for a in update)
+    assert report.privacy is not None and report.privacy.epsilon_total > 0
