@@ -66,7 +66,7 @@ def _target_modules(config: ModelConfig) -> str | list[str]:
     return targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
 
 
-def _lora_config(config: ModelConfig, task_type: TaskType, modules_to_save: list[str] | None = None) -> LoraConfig:
+def lora_config(config: ModelConfig, task_type: TaskType, modules_to_save: list[str] | None = None) -> LoraConfig:
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
@@ -94,7 +94,7 @@ def check_target_modules(config: ModelConfig, base: torch.nn.Module) -> None:
                              "(or 'all-linear')")
 
 
-def _adapted(base: torch.nn.Module, config: ModelConfig, lora: LoraConfig) -> PeftModel:
+def with_lora(base: torch.nn.Module, config: ModelConfig, lora: LoraConfig) -> PeftModel:
     check_target_modules(config, base)
     try:
         model = get_peft_model(base, lora)
@@ -145,7 +145,7 @@ def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for adapter in module.active_adapters if adapter in module.lora_A}
 
 
-def _dtype(config: ModelConfig) -> torch.dtype:
+def model_dtype(config: ModelConfig) -> torch.dtype:
     return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
 
 
@@ -153,10 +153,10 @@ def load_policy(config: ModelConfig, device: torch.device) -> PeftModel:
     """The causal LM with fresh LoRA adapters; only adapter weights are trainable."""
     path = resolve_model_path(config)
     try:
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(config), local_files_only=True)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(config), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model.path={str(path)!r} is not a loadable Hugging Face causal LM: {error}") from error
-    return _adapted(base, config, _lora_config(config, TaskType.CAUSAL_LM)).to(device)
+    return with_lora(base, config, lora_config(config, TaskType.CAUSAL_LM)).to(device)
 
 
 def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
@@ -167,7 +167,7 @@ def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
     path = resolve_model_path(config)
     try:
         base = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=_dtype(config), local_files_only=True
+            path, num_labels=1, dtype=model_dtype(config), local_files_only=True
         )
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(
@@ -175,7 +175,7 @@ def load_critic(config: ModelConfig, device: torch.device) -> PeftModel:
             f"(needed by algorithm.adv_estimator='gae'): {error}"
         ) from error
     head = next(name for name in ("score", "classifier") if hasattr(base, name))
-    return _adapted(base, config, _lora_config(config, TaskType.TOKEN_CLS, modules_to_save=[head])).to(device)
+    return with_lora(base, config, lora_config(config, TaskType.TOKEN_CLS, modules_to_save=[head])).to(device)
 
 
 @dataclass

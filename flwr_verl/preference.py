@@ -48,7 +48,15 @@ import torch
 from flwr_verl import embedded
 from flwr_verl.config import ConfigError, DataConfig, EngineConfig, ModelConfig
 from flwr_verl.data import DataError, partition_rows, read_parquet_files
-from flwr_verl.models import AdapterSet, ModelLoadError, _adapted, _dtype, _lora_config, resolve_model_path, select_device
+from flwr_verl.models import (
+    AdapterSet,
+    ModelLoadError,
+    lora_config,
+    model_dtype,
+    resolve_model_path,
+    select_device,
+    with_lora,
+)
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.reward_model import SCORE_HEAD, conversation_text, sequence_scores
 
@@ -181,7 +189,7 @@ def build_reward_model_trainee(config: ModelConfig, seed: int = 0) -> RewardMode
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "right"  # scores are read at the last attended token
     try:
-        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=_dtype(config),
+        base = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=model_dtype(config),
                                                                   local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model.path={str(path)!r} has no sequence-classification variant for a reward "
@@ -189,7 +197,7 @@ def build_reward_model_trainee(config: ModelConfig, seed: int = 0) -> RewardMode
     if not isinstance(getattr(base, SCORE_HEAD, None), torch.nn.Module):
         raise ModelLoadError(f"model.path={str(path)!r}: {type(base).__name__} has no '{SCORE_HEAD}' head")
     base.config.pad_token_id = tokenizer.pad_token_id
-    model = _adapted(base, config, _lora_config(config, TaskType.SEQ_CLS, modules_to_save=[SCORE_HEAD]))
+    model = with_lora(base, config, lora_config(config, TaskType.SEQ_CLS, modules_to_save=[SCORE_HEAD]))
     return RewardModelTrainee(tokenizer=tokenizer, model=model.to(device), device=device)
 
 
