@@ -506,11 +506,13 @@ def test_superlink_killed_after_round_1_resumes_at_round_2_from_the_saved_adapte
     steps = [{client: PrivacyReport.from_json_dict(report).account.steps for client, report in
               load_state(run_dir / "adapters" / f"round-000{k}")["privacy_ledger"].items()} for k in (1, 2)]
     # Keyed by Flower's node id. Partition 1 failed in round 1 (before spending anything), so
-    # round 1 holds 2 reports and round 2 all 3: the 2 at two rounds' steps, the third at one.
+    # round 1 holds 2 reports and round 2 all 3. Each node's ledger spans runs (an earlier test in
+    # this module may have spent on the same data), so compare what round 2 added: one round's
+    # steps on every node that trained in both rounds, and at least that on the late one.
     (late,) = set(steps[1]) - set(steps[0])
     assert len(steps[0]) == 2 and len(steps[1]) == 3 and set(steps[0]) < set(steps[1])
-    assert all(steps[1][c] == 2 * steps[0][c] > 0 for c in steps[0])
-    assert {steps[1][late]} == set(steps[0].values())
+    (per_round,) = {steps[1][c] - steps[0][c] for c in steps[0]}
+    assert per_round > 0 and steps[1][late] >= per_round and min(steps[0].values()) >= per_round
     assert (run_dir / "adapters" / "final" / "policy").is_dir()
     # Flower counts the resumed run's rounds from 1; the app's own round numbers go on from 2.
     assert "round 2: training metrics not sent" in log and "round 1: training" not in log  # DP: privacy.metrics=none
