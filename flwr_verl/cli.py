@@ -1,7 +1,7 @@
 """The ``flwr-verl`` command.
 
     flwr-verl check-config my-profile.toml --set actor.lr=1e-3 --set "algorithm.adv_estimator='rloo'"
-    flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp]
+    flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp] [--client-level-delta 1e-5]
     flwr-verl run . my-superlink --run-config my-profile.toml --timeout 7200
 
 ``check-config`` validates a run config before ``flwr run`` sees it. Flower rejects a key that is
@@ -16,7 +16,8 @@ builds its engine, before any training.
 
 ``ledger show`` prints a node's privacy ledger (``ledger.py``; default: the node's default
 ledger file): each data set's spent epsilon at ``--delta``, per run and in total, composed by the
-accountant (a total is not the sum of the runs' epsilons). It opens the file read-only.
+accountant (a total is not the sum of the runs' epsilons); its client-level DP spends (privacy
+unit "client") at ``--client-level-delta``. It opens the file read-only.
 
 ``run`` is ``flwr run APP SUPERLINK --stream`` that returns the run's outcome: ``flwr run``
 exits 0 whether the run finished or failed, so a script or CI job cannot tell them apart. It
@@ -101,7 +102,8 @@ def ledger_show(args: argparse.Namespace) -> int:
     from flwr_verl.ledger import LedgerError, PrivacyLedger, default_path, show
 
     try:
-        print(show(PrivacyLedger(args.path or default_path(), read_only=True), args.delta, args.accountant))
+        print(show(PrivacyLedger(args.path or default_path(), read_only=True), args.delta, args.accountant,
+                   args.client_level_delta))
     except LedgerError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_INVALID
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="the ledger file (default: $FLWR_HOME/flwr-verl/privacy-ledger.sqlite)")
     shown.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is shown (default 1e-5)")
     shown.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="default: rdp")
+    shown.add_argument("--client-level-delta", type=float, default=1e-5,
+                       help="delta of privacy unit client (privacy.client_level.delta; default 1e-5)")
     shown.set_defaults(handler=ledger_show)
 
     submit = commands.add_parser("run", help="`flwr run --stream` that exits with the run's status",

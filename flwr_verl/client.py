@@ -35,8 +35,15 @@ node's privacy ledger (``ledger.py``, node config ``privacy-ledger``) records ea
 before training, in the transaction that checks the budget, so it is on disk before the update
 leaves the node. Nothing the server sends changes it.
 
+Under ``privacy.client_level`` each round is also recorded, before training, as a client-level
+spend of the same data set with privacy unit "client" (``PrivacyLedger.spend_client_level``, at
+sampling rate 1: the node does not trust the server's sampling). Its budget is the node's
+``client-epsilon-budget``, separate from ``epsilon-budget``: the two epsilons protect different
+units at different deltas (``privacy.client_level.delta``) and are never added. A round past it
+leaves the SecAgg+ round (``PrivacyBudgetExhausted``), as client-level DP always runs under SecAgg+.
+
 Node config keys read here: ``partition-id`` and ``num-partitions`` (which share of the data
-this node trains on), ``epsilon-budget`` (above), ``privacy-ledger`` (the ledger file), and
+this node trains on), ``epsilon-budget`` and ``client-epsilon-budget`` (above), ``privacy-ledger`` (the ledger file), and
 ``client-id``: the name this client gives itself in reports and error lines (default: the
 partition id); the server keys what it keeps per client by Flower's node id, never by it.
 ``reward-model-path``: this node's own reward model, in place of the run config's
@@ -72,6 +79,8 @@ from flwr.client import NumPyClient
 from flwr_verl.compression import ErrorFeedback, StateErrorFeedback, coordinate_mask, with_error_feedback
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.data import Row
+from flwr_verl.distributed_dp import PRIVACY_UNIT as CLIENT_UNIT
+from flwr_verl.distributed_dp import SkellamPlan, encode_update, noise_generator, plan_round
 from flwr_verl.ledger import (
     IN_MEMORY,
     NODE_PRIVACY_LEDGER,
@@ -110,6 +119,7 @@ from flwr_verl.stages import build_stage_models, load_stage_rows, reward_model_t
 from flwr_verl.trainer import LocalPPOTrainer
 
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
+NODE_CLIENT_EPSILON_BUDGET = "client-epsilon-budget"  # node-config key: its client-level DP budget (its own unit)
 NODE_CLIENT_ID = "client-id"  # node-config key: the name this client gives itself in reports and error lines
 NODE_REWARD_MODEL_PATH = "reward-model-path"  # node-config key: this node's own reward model (never sent)
 NODE_DEIDENTIFY_CORPUS = "deidentify-corpus-file"  # node-config key: this node's protected text (deidentify.py)
@@ -202,15 +212,19 @@ class VerlClient(NumPyClient):
     ``ledger`` is the node's privacy ledger (``node_ledger(context)`` in a ClientApp). Without one
     the client keeps its spends in memory for its own lifetime: right for in-process experiments
     that keep one client object, wrong for a ClientApp, which builds a client per message.
-    ``run_id`` labels this run's spends in the ledger.
+    ``run_id`` labels this run's spends in the ledger. ``client_epsilon_budget`` (node config
+    ``client-epsilon-budget``; 0: none) bounds the client-level epsilon (``privacy.client_level``)
+    that the ledger has recorded for this data set, across runs.
     """
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
                  client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local",
                  reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY,
-                 budget: LocalBudget | None = None, error_feedback: ErrorFeedback | None = None) -> None:
+                 budget: LocalBudget | None = None, error_feedback: ErrorFeedback | None = None,
+                 client_epsilon_budget: float = 0.0) -> None:
         self.config = config
+        self.client_epsilon_budget = client_epsilon_budget  # client-level DP's, from node config; 0: none
         self.budget = budget or LocalBudget()
         # Sparse uploads' residual (compression.density < 1); without one it lasts as long as this object.
         self.error_feedback = error_feedback or ErrorFeedback()
@@ -277,6 +291,9 @@ class VerlClient(NumPyClient):
         report = FitReport(status=STATUS_OK, partition_id=self.partition_id, client_id=self.client_id,
                            bytes_received=_nbytes(parameters), bytes_sent=0)
 
+        plan = self._client_level_plan(parameters, instructions) if self.config.privacy.client_level.enabled else None
+        if plan is not None:  # recorded first: a refusal below then over-counts this round, never under-counts
+            self._spend_client_level(plan, instructions.server_round)
         budget = self.config.privacy.epsilon_budget
         # Spent before training, in the transaction that checks the budget: see ``ledger.py``.
         spend = self.ledger.spend(
@@ -322,8 +339,8 @@ class VerlClient(NumPyClient):
             sent, residual = with_error_feedback(update, self.error_feedback.residual, indices)
             update = [sent]
         weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
-        if self.config.privacy.client_level.enabled:  # client-level DP: noisy integers of weight 1
-            update, weight = self._encode_client_level(update, instructions), 1
+        if plan is not None:  # client-level DP: noisy integers of weight 1
+            update, weight = self._encode_client_level(update, plan, instructions.server_round), 1
         elif instructions.secagg:
             check_update(update, weight, instructions.secagg.clipping_range, instructions.secagg.max_weight)
         if residual is not None:  # kept only once the update is fit to be sent
@@ -345,19 +362,34 @@ class VerlClient(NumPyClient):
             return 0.0, 0, {}
         return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
 
-    def _encode_client_level(self, update: list[np.ndarray], instructions: FitConfig) -> list[np.ndarray]:
-        """The update clipped, rotated, rounded and noised (``distributed_dp.encode_update``): what
-        SecAgg+ sums. Refused unless the server set up the round for it."""
-        from flwr_verl.distributed_dp import encode_update, plan_round
-
+    def _client_level_plan(self, parameters: list[np.ndarray], instructions: FitConfig) -> SkellamPlan:
+        """The round's ``distributed_dp.SkellamPlan``, known before training (the update has the
+        adapter's size). Refused unless the server set up the round for client-level DP."""
         if instructions.client_level is None or not instructions.secagg:
             raise ConfigError("privacy.client_level.enabled=true, but the server's round is not a client-level DP "
                               "round under SecAgg+; the update is not sent")
-        plan = plan_round(self.config.privacy.client_level, sum(a.size for a in update),
+        return plan_round(self.config.privacy.client_level, sum(a.size for a in parameters),
                           instructions.client_level.num_clients, instructions.client_level.threshold)
-        seed = ((self.config.trainer.seed, instructions.server_round, self.partition_id)
-                if self.config.privacy.deterministic else None)  # None: the OS's entropy
-        return encode_update(update, plan, instructions.server_round, np.random.default_rng(seed))
+
+    def _spend_client_level(self, plan: SkellamPlan, server_round: int) -> None:
+        """Record the round's client-level spend in the node's ledger before training, or leave
+        the SecAgg+ round (``PrivacyBudgetExhausted``) when it would pass ``client-epsilon-budget``."""
+        key = dataclasses.replace(self.data_set, unit=CLIENT_UNIT)
+        delta = self.config.privacy.client_level.delta
+        spend = self.ledger.spend_client_level(key, plan, budget=self.client_epsilon_budget, delta=delta,
+                                               run_id=self.run_id, server_round=server_round)
+        if spend.refused:
+            raise PrivacyBudgetExhausted(
+                f"one more round would bring the client-level epsilon from {spend.epsilon_before:.3g} to more than "
+                f"node config {NODE_CLIENT_EPSILON_BUDGET}={self.client_epsilon_budget:g} (at delta {delta:g}); "
+                "leaving the SecAgg+ round")
+
+    def _encode_client_level(self, update: list[np.ndarray], plan: SkellamPlan, server_round: int) -> list[np.ndarray]:
+        """The update clipped, rotated, rounded and noised (``distributed_dp.encode_update``): what
+        SecAgg+ sums."""
+        seed = ((self.config.trainer.seed, server_round, self.partition_id)
+                if self.config.privacy.deterministic else None)  # None: a key from the OS's CSPRNG
+        return encode_update(update, plan, server_round, noise_generator(seed))
 
     def _noised_metrics(self, iterations: list[dict[str, float]], instructions: FitConfig) -> NoisedTrainingMetrics:
         """``privacy.metrics = "dp"``: the fit's mean reward and response length, noised
@@ -414,15 +446,17 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     config = with_node_budget(config, context.node_config.get(NODE_EPSILON_BUDGET))
     config, reward_model_key = with_node_reward_model(config, context.node_config.get(NODE_REWARD_MODEL_PATH))
     budget = LocalBudget.from_node_config(context.node_config)
+    client_epsilon_budget = node_client_epsilon_budget(context.node_config.get(NODE_CLIENT_EPSILON_BUDGET))
     config = with_node_corpus(config, context.node_config.get(NODE_DEIDENTIFY_CORPUS))
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
         cached_rows(config, "val", partition_id, num_partitions),
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
-        ledger=node_ledger(context) if config.privacy.enabled else None, run_id=str(context.run_id),
-        reward_model_key=reward_model_key, budget=budget,
+        ledger=node_ledger(context) if config.privacy.enabled or config.privacy.client_level.enabled else None,
+        run_id=str(context.run_id), reward_model_key=reward_model_key, budget=budget,
         error_feedback=StateErrorFeedback(context.state),
+        client_epsilon_budget=client_epsilon_budget,
     )
 
 
@@ -465,6 +499,16 @@ def with_node_budget(config: EngineConfig, budget: Any) -> EngineConfig:
     federation_budget = config.privacy.epsilon_budget
     strictest = min(float(budget), federation_budget) if federation_budget > 0 else float(budget)
     return dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, epsilon_budget=strictest))
+
+
+def node_client_epsilon_budget(budget: Any) -> float:
+    """The node's ``client-epsilon-budget``: a number > 0, or 0 when unset (no budget)."""
+    if budget is None:
+        return 0.0
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"node config {NODE_CLIENT_EPSILON_BUDGET}={budget!r} is invalid: must be a number > 0 "
+                          "(the client-level epsilon this node's data set may spend, over all runs)")
+    return float(budget)
 
 
 def with_node_corpus(config: EngineConfig, corpus_file: Any) -> EngineConfig:

@@ -59,15 +59,29 @@ of clients without replacement, not Poisson: accounting it as Poisson at q is th
 DP-FedAvg makes (McMahan et al., ICLR 2018), stated here, not hidden. Rounds compose by adding
 RDP; Opacus's ``get_privacy_spent`` turns it into epsilon at ``privacy.client_level.delta``.
 
-**Randomness.** The noise comes from the OS's entropy, unless ``privacy.deterministic`` seeds it
-(tests and benchmarks only: whoever knows the seed can subtract the noise). numpy's generator is
-not a cryptographically secure one; neither is Opacus's default.
+**Randomness** (``noise_generator``). The stochastic rounding and the Skellam noise are drawn by
+numpy's samplers from ChaCha20 (``randomgen.ChaCha``, 20 rounds), a cryptographically secure
+generator, keyed with 256 bits from the OS's CSPRNG (``secrets``) for every round's update: its
+output does not reveal its key, so the noise cannot be predicted from other draws. numpy's default
+PCG64 and torch's Mersenne Twister are not secure: their state can be recovered from outputs.
+``privacy.deterministic`` derives the key from (trainer.seed, round, partition) instead, for tests
+and benchmarks only: whoever knows the seed can subtract the noise. The rotation's signs are
+public by design (seeded by the round) and need no secrecy.
+
+**The node's own account.** Each client also records every round it takes part in, in its node's
+privacy ledger (``ledger.py``), against its data set with privacy unit ``PRIVACY_UNIT`` ("client"),
+at sampling rate 1: a node cannot check the server's client sampling, and the rounds it is not
+sampled in do not depend on its data, so composing only its own rounds, unamplified, bounds its
+epsilon without trusting the server. The server's ``ClientLevelAccount`` with amplification by
+sampling is the federation's (smaller) figure; the node's is the one its
+``client-epsilon-budget`` is enforced against (``client.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -84,6 +98,7 @@ BETA = math.exp(-0.5)  # conditional rounding: the bound that one draw fails wit
 ROUNDING_ATTEMPTS = 200  # all fail with probability <= BETA**200 < 1e-43
 ORDERS = tuple(range(2, 257))  # integer RDP orders: both Skellam's bound and Zhu & Wang's need them
 ROTATION_SALT = 0x5EC_A66  # the rotation's signs: np.random.default_rng([ROTATION_SALT, round])
+PRIVACY_UNIT = "client"  # one client's whole round update: the unit the node's ledger keys these spends by
 
 
 class RoundingFailed(FlwrVerlError, RuntimeError):
@@ -197,6 +212,16 @@ def integer_secagg_parameters(params: SecAggParameters, bits: int) -> SecAggPara
 
 
 # ----------------------------------------------------------------------------- the client's steps
+def noise_generator(seed: tuple[int, ...] | None = None) -> np.random.Generator:
+    """numpy's samplers over ChaCha20, keyed with 256 bits from ``secrets`` (the OS's CSPRNG), or
+    from ``seed`` (``privacy.deterministic``: tests and benchmarks only; see the module docstring)."""
+    from randomgen import ChaCha
+
+    key = (secrets.randbits(256) if seed is None
+           else int.from_bytes(np.random.SeedSequence(list(seed)).generate_state(8, np.uint32).tobytes(), "little"))
+    return np.random.Generator(ChaCha(key=key, rounds=20))
+
+
 def clip_l2(vector: np.ndarray, norm: float) -> np.ndarray:
     """``vector`` scaled down to L2 norm ``norm`` if longer. Shape (d,) -> (d,)."""
     length = float(np.linalg.norm(vector))
@@ -319,11 +344,19 @@ class ClientLevelAccount:
     history: list[tuple[float, float, float, float, int]] = field(default_factory=list)
 
     def record(self, plan: SkellamPlan, sample_rate: float) -> None:
-        step = (plan.central_variance, plan.l1_sensitivity, plan.l2_sensitivity, float(sample_rate))
+        self.record_step(plan.central_variance, plan.l1_sensitivity, plan.l2_sensitivity, sample_rate)
+
+    def record_step(self, variance: float, l1_sensitivity: float, l2_sensitivity: float, sample_rate: float) -> None:
+        """One round of the Skellam mechanism of ``variance`` and these sensitivities, at sampling rate q."""
+        step = (float(variance), float(l1_sensitivity), float(l2_sensitivity), float(sample_rate))
         if self.history and tuple(self.history[-1][:4]) == step:
             self.history[-1] = (*step, self.history[-1][4] + 1)
         else:
             self.history.append((*step, 1))
+
+    @property
+    def rounds(self) -> int:
+        return sum(entry[4] for entry in self.history)
 
     def epsilon(self, delta: float) -> float:
         from opacus.accountants.analysis.rdp import get_privacy_spent

@@ -19,6 +19,13 @@ training, so the spend is on disk before the update exists, let alone leaves the
 after training never under-counts, and a crash (or a failed fit) before sending over-counts by
 that one round. Spends are append-only; nothing ever removes one.
 
+**Client-level spends** (``spend_client_level``): a round of client-level DP
+(``distributed_dp.py``) is recorded against the same data set's fingerprint with privacy unit
+"client", in its own table: its mechanism (the Skellam noise's variance and sensitivities) is
+not DP-SGD's, and its epsilon, at its own delta, protects a different unit, so the two are never
+composed into one number. It is checked against its own budget (node config
+``client-epsilon-budget``) in the same way, before training.
+
 **Durability.** Rollback-journal mode (``journal_mode=DELETE``) with ``synchronous=FULL`` (and
 ``fullfsync`` on macOS): a commit returns only after the journal and the database file are
 fsynced, so a committed spend survives a crash or power loss. WAL mode is not used: it needs
@@ -39,6 +46,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flwr_verl.config import FlwrVerlError
+from flwr_verl.distributed_dp import PRIVACY_UNIT as CLIENT_UNIT
+from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount
 
 NODE_PRIVACY_LEDGER = "privacy-ledger"  # node-config key: path of this node's ledger file
@@ -54,6 +63,12 @@ CREATE TABLE IF NOT EXISTS spends (
     noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL, ppo_epochs INTEGER NOT NULL,
     iterations INTEGER NOT NULL, recorded REAL NOT NULL,
     metrics_noise_multiplier REAL NOT NULL DEFAULT 0,
+    FOREIGN KEY (fingerprint, unit) REFERENCES data_sets (fingerprint, unit));
+CREATE TABLE IF NOT EXISTS client_level_spends (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    fingerprint TEXT NOT NULL, unit TEXT NOT NULL, run_id TEXT NOT NULL, server_round INTEGER NOT NULL,
+    variance REAL NOT NULL, l1_sensitivity REAL NOT NULL, l2_sensitivity REAL NOT NULL, sample_rate REAL NOT NULL,
+    recorded REAL NOT NULL,
     FOREIGN KEY (fingerprint, unit) REFERENCES data_sets (fingerprint, unit));
 """
 # Ledgers written before the metrics' mechanism was recorded get its column (0: no metric released).
@@ -98,14 +113,24 @@ class Spend:
 
 
 @dataclass(frozen=True)
+class ClientLevelSpend:
+    """The answer of ``PrivacyLedger.spend_client_level``: the data set's client-level epsilon
+    (at the delta asked) before and after (equal when refused), and whether it was refused."""
+
+    epsilon_before: float
+    epsilon_after: float
+    refused: bool
+
+
+@dataclass(frozen=True)
 class RunSpend:
     """One run's spends on one data set, for ``show``."""
 
     run_id: str
     first_round: int
     last_round: int
-    iterations: int
-    account: PrivacyAccount
+    iterations: int  # local iterations (privacy unit "prompt") or rounds (unit "client")
+    account: PrivacyAccount | ClientLevelAccount
 
 
 def default_path() -> Path:
@@ -181,6 +206,31 @@ class PrivacyLedger:
                  mechanism.sample_rate, mechanism.ppo_epochs, iterations, now, mechanism.metrics_noise_multiplier))
             return Spend(before, after, refused=False)
 
+    def spend_client_level(self, key: DataSetKey, plan: SkellamPlan, *, budget: float, delta: float, run_id: str,
+                           server_round: int) -> ClientLevelSpend:
+        """Record one round of client-level DP under ``plan`` on ``key``'s data set (privacy unit
+        "client"), at sampling rate 1 (see ``distributed_dp``'s "The node's own account"), unless
+        its client-level epsilon at ``delta`` would then pass ``budget`` (0: no budget); one
+        transaction, committed (fsynced) before this returns."""
+        if key.unit != CLIENT_UNIT:
+            raise LedgerError(f"client-level spends belong to privacy unit {CLIENT_UNIT!r}, not {key.unit!r}")
+        with self._transaction():
+            account = self._client_level_account(key)
+            before = account.epsilon(delta)
+            account.record(plan, sample_rate=1.0)
+            after = account.epsilon(delta)
+            if budget and after > budget:
+                return ClientLevelSpend(before, before, refused=True)
+            now = time.time()
+            self._db.execute("INSERT OR IGNORE INTO data_sets VALUES (?, ?, ?, ?)",
+                             (key.fingerprint, key.unit, key.description, now))
+            self._db.execute(
+                "INSERT INTO client_level_spends (fingerprint, unit, run_id, server_round, variance, l1_sensitivity, "
+                "l2_sensitivity, sample_rate, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.fingerprint, key.unit, str(run_id), server_round, plan.central_variance, plan.l1_sensitivity,
+                 plan.l2_sensitivity, 1.0, now))
+            return ClientLevelSpend(before, after, refused=False)
+
     @contextlib.contextmanager
     def _transaction(self):
         """A write transaction: SQLite's write lock, taken at once, so check and write are atomic."""
@@ -209,9 +259,21 @@ class PrivacyLedger:
         return _account_of(self._spends("WHERE fingerprint = ? AND unit = ?", (key.fingerprint, key.unit)),
                            accountant)
 
-    def account(self, key: DataSetKey, accountant: str = "rdp") -> PrivacyAccount:
-        """Everything ``key``'s data set has spent, over all runs."""
+    def account(self, key: DataSetKey, accountant: str = "rdp") -> PrivacyAccount | ClientLevelAccount:
+        """Everything ``key``'s data set has spent, over all runs (a ``ClientLevelAccount`` for
+        privacy unit "client", whose epsilon ignores ``accountant``)."""
+        if key.unit == CLIENT_UNIT:
+            return self._client_level_account(key)
         return self._account(key, accountant)
+
+    def _client_level_rows(self, key: DataSetKey) -> list[tuple]:
+        return self._db.execute(
+            "SELECT run_id, server_round, variance, l1_sensitivity, l2_sensitivity, sample_rate "
+            "FROM client_level_spends WHERE fingerprint = ? AND unit = ? ORDER BY id",
+            (key.fingerprint, key.unit)).fetchall()
+
+    def _client_level_account(self, key: DataSetKey) -> ClientLevelAccount:
+        return _client_level_account_of(self._client_level_rows(key))
 
     def data_sets(self) -> list[DataSetKey]:
         return [DataSetKey(*row) for row in
@@ -219,6 +281,12 @@ class PrivacyLedger:
 
     def runs(self, key: DataSetKey, accountant: str = "rdp") -> list[RunSpend]:
         """``key``'s spends grouped by run, in the order the runs first spent."""
+        if key.unit == CLIENT_UNIT:
+            by_round: dict[str, list[tuple]] = {}
+            for row in self._client_level_rows(key):
+                by_round.setdefault(row[0], []).append(row)
+            return [RunSpend(run_id, min(r[1] for r in rows), max(r[1] for r in rows), len(rows),
+                             _client_level_account_of(rows)) for run_id, rows in by_round.items()]
         by_run: dict[str, list[tuple]] = {}
         for row in self._spends("WHERE fingerprint = ? AND unit = ?", (key.fingerprint, key.unit)):
             by_run.setdefault(row[2], []).append(row)
@@ -233,17 +301,28 @@ def _account_of(rows: list[tuple], accountant: str) -> PrivacyAccount:
     return account
 
 
-def show(ledger: PrivacyLedger, delta: float, accountant: str = "rdp") -> str:
-    """Each data set's spent epsilon at ``delta``: per run, and in total (composed, not summed)."""
-    lines = [f"privacy ledger {ledger.path}: epsilon at delta={delta:g} ({accountant} accountant)"]
+def _client_level_account_of(rows: list[tuple]) -> ClientLevelAccount:
+    account = ClientLevelAccount()
+    for *_, variance, l1, l2, q in rows:
+        account.record_step(variance, l1, l2, q)
+    return account
+
+
+def show(ledger: PrivacyLedger, delta: float, accountant: str = "rdp", client_level_delta: float = 1e-5) -> str:
+    """Each data set's spent epsilon: per run, and in total (composed, not summed); at ``delta``
+    for privacy unit "prompt", at ``client_level_delta`` for unit "client"."""
+    lines = [f"privacy ledger {ledger.path}: epsilon at delta={delta:g} ({accountant} accountant); "
+             f"privacy unit client at delta={client_level_delta:g} (Skellam RDP)"]
     keys = ledger.data_sets()
     for key in keys:
         lines.append(f"data set {key.fingerprint[:16]} (privacy unit: {key.unit}): {key.description}")
+        at, steps = (client_level_delta, "rounds") if key.unit == CLIENT_UNIT else (delta, "iterations")
         for run in ledger.runs(key, accountant):
             lines.append(f"  run {run.run_id}: rounds {run.first_round}-{run.last_round}, {run.iterations} "
-                         f"iterations, epsilon {_fmt(run.account.epsilon(delta))}")
+                         f"{steps}, epsilon {_fmt(run.account.epsilon(at))}")
         total = ledger.account(key, accountant)
-        lines.append(f"  total: {total.steps} iterations, epsilon {_fmt(total.epsilon(delta))}")
+        count = total.rounds if key.unit == CLIENT_UNIT else total.steps
+        lines.append(f"  total: {count} {steps}, epsilon {_fmt(total.epsilon(at))}")
     if not keys:
         lines.append("no spends recorded")
     return "\n".join(lines)

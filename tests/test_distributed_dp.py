@@ -37,7 +37,7 @@ def _chi_square_p(samples: np.ndarray, variance: float) -> float:
 
 # ----------------------------------------------------------------------------- the noise
 def test_each_clients_noise_is_skellam_of_its_share_of_the_variance():
-    rng = np.random.default_rng(2021)
+    rng = ddp.noise_generator((2021,))  # the clients' generator (ChaCha20), on the explicit seed path
     share = 7.5
     samples = ddp.skellam_noise(share, 200_000, rng)
     assert samples.dtype == np.int64
@@ -46,6 +46,14 @@ def test_each_clients_noise_is_skellam_of_its_share_of_the_variance():
     assert samples.var() == pytest.approx(share, rel=0.02)
     # the test has power: the same samples are rejected against a 15% larger variance
     assert _chi_square_p(samples, 1.15 * share) < 1e-6
+
+
+def test_the_noise_key_comes_from_the_os_unless_a_seed_is_given():
+    unseeded = [ddp.noise_generator().integers(0, 2**63, size=4) for _ in range(2)]
+    assert not np.array_equal(*unseeded)  # a fresh 256-bit key each time
+    seeded = [ddp.noise_generator((7, 1, 0)).integers(0, 2**63, size=4) for _ in range(2)]
+    assert np.array_equal(*seeded)  # privacy.deterministic: reproducible
+    assert not np.array_equal(seeded[0], ddp.noise_generator((7, 2, 0)).integers(0, 2**63, size=4))
 
 
 def test_the_summed_shares_are_exactly_skellam_of_the_accounted_variance():
@@ -328,3 +336,23 @@ def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_ep
     moved = np.concatenate([(a - b).ravel() for a, b in zip(strategy.global_arrays, initial)])
     assert np.linalg.norm(moved) > 0
     assert strategy.state_dict()["client_level_account"] == strategy.client_level_account.to_json()
+    # Each node's ledger holds the round as privacy unit "client" (at q = 1, as here every client
+    # was sampled: the same figure as the server's), beside its per-prompt spend on the same data.
+    for client in clients.values():
+        key = dataclasses.replace(client.data_set, unit=ddp.PRIVACY_UNIT)
+        assert client.ledger.account(key).epsilon(1e-5) == pytest.approx(metrics["epsilon_client_level"])
+        assert client.ledger.account(client.data_set).steps == 1
+    # A node whose client-epsilon-budget one more round would pass leaves round 2 before training.
+    from flwr_verl.client import PrivacyBudgetExhausted
+    from flwr_verl.protocol import ClientLevelRound, FitConfig
+
+    spent = metrics["epsilon_client_level"]
+    refusing = clients["0"]
+    refusing.client_epsilon_budget = spent * 1.01
+    second = FitConfig(server_round=2, local_iterations=1, planned_iterations=2, proximal_mu=0.0,
+                       secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=3, threshold=2))
+    with pytest.raises(PrivacyBudgetExhausted, match=r"client-level epsilon from .* node config "
+                                                     r"client-epsilon-budget="):
+        refusing.fit(initial, second.to_config())
+    key = dataclasses.replace(refusing.data_set, unit=ddp.PRIVACY_UNIT)
+    assert refusing.ledger.account(key).rounds == 1 and refusing.ledger.account(refusing.data_set).steps == 1

@@ -239,6 +239,54 @@ def test_ledger_show_prints_each_data_set_per_run_and_in_total(tmp_path, capsys)
     assert f"total: 15 iterations, epsilon {total:.3f}" in out, out
 
 
+def test_client_level_spends_are_their_own_entry_shown_and_held_to_their_budget(tmp_path, capsys):
+    """Client-level DP's rounds go to the same data set under privacy unit "client", composed at
+    sampling rate 1 (the node does not trust the server's sampling), never mixed with its
+    per-prompt spends; past ``budget`` a round is refused and nothing is written."""
+    from flwr_verl import distributed_dp as ddp
+    from flwr_verl.config import ClientLevelConfig
+
+    path = tmp_path / "ledger.sqlite"
+    ledger = PrivacyLedger(path)
+    prompts = DataSetKey("cd" * 32, "prompt", "task 'arithmetic' seed 0, partition 1, 32 prompts")
+    clients = DataSetKey(prompts.fingerprint, ddp.PRIVACY_UNIT, prompts.description)
+    plan = ddp.plan_round(ClientLevelConfig(enabled=True, noise_multiplier=2.0), dim=64, num_clients=3, threshold=2)
+    ledger.spend(prompts, IterationMechanism(1.0, 0.25), 5, budget=0, delta=DELTA, accountant="rdp", run_id="11",
+                 server_round=1)
+
+    def rounds(n: int) -> float:
+        account = ddp.ClientLevelAccount()
+        for _ in range(n):
+            account.record(plan, sample_rate=1.0)
+        return account.epsilon(DELTA)
+
+    budget = (rounds(3) + rounds(4)) / 2
+    answers = [ledger.spend_client_level(clients, plan, budget=budget, delta=DELTA, run_id=run_id, server_round=r)
+               for run_id, r in (("11", 1), ("11", 2), ("12", 1), ("12", 2))]
+    assert [a.refused for a in answers] == [False, False, False, True]
+    assert answers[2].epsilon_after == pytest.approx(rounds(3)) and answers[3].epsilon_after == answers[3].epsilon_before
+    reopened = PrivacyLedger(path, read_only=True)
+    assert reopened.account(clients).rounds == 3 and reopened.account(clients).epsilon(DELTA) == pytest.approx(rounds(3))
+    assert reopened.account(prompts).steps == 5  # the per-prompt account is untouched
+    with pytest.raises(LedgerError, match="privacy unit 'client'"):
+        ledger.spend_client_level(prompts, plan, budget=0, delta=DELTA, run_id="13", server_round=1)
+
+    assert cli_main(["ledger", "show", str(path), "--client-level-delta", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert f"data set {'cd' * 8} (privacy unit: client): task 'arithmetic'" in out
+    assert f"run 11: rounds 1-2, 2 rounds, epsilon {rounds(2):.3f}" in out
+    assert f"total: 3 rounds, epsilon {rounds(3):.3f}" in out
+    assert "total: 5 iterations" in out  # the prompt unit's entry, shown as before
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "2", True])
+def test_a_bad_client_epsilon_budget_fails_before_training_naming_the_key(tiny_config, tmp_path, new_process, value):
+    config = tiny_config(privacy=PRIVATE)
+    with pytest.raises(ConfigError, match=rf"node config client-epsilon-budget={value!r} is invalid: must be a "
+                                          "number > 0"):
+        client_from_context(node(tmp_path / "ledger.sqlite", 1, **{"client-epsilon-budget": value}), config)
+
+
 def test_bad_ledger_paths_fail_before_training(tiny_config, tmp_path, new_process, capsys):
     config = tiny_config(privacy=PRIVATE)
     with pytest.raises(LedgerError, match=r"node config privacy-ledger='.*/absent/ledger.sqlite' is invalid: "
