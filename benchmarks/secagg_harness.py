@@ -476,13 +476,56 @@ def run_flower(spec: dict, timeout: float = 600, workdir: Path | None = None) ->
 
 
 # ----------------------------------------------------------------------------- SecAgg+ settings
-def secagg_kwargs(clipping_range: float | None = None) -> dict:
-    """SecAgg+ workflow settings from ``derive_parameters`` for this benchmark's data (3 clients)."""
+def secagg_kwargs(clipping_range: float = 1.0, precision: float = 1e-7) -> dict:
+    """SecAgg+ workflow settings from ``derive_parameters`` for this benchmark's data (3 clients;
+    the smallest has ``min(NUM_EXAMPLES)`` prompts, the batch size that guarantees it)."""
     from flwr_verl.config import DataConfig, SecAggConfig
     from flwr_verl.secagg import derive_parameters
 
-    config = SecAggConfig() if clipping_range is None else SecAggConfig(clipping_range=clipping_range)
-    return derive_parameters(config, DataConfig(train_size=TRAIN_SIZE), num_clients=3).workflow_kwargs()
+    data = DataConfig(train_size=TRAIN_SIZE, train_batch_size=min(NUM_EXAMPLES))
+    config = SecAggConfig(clipping_range=clipping_range, precision=precision)
+    return derive_parameters(config, data, num_clients=3).workflow_kwargs()
+
+
+def secure_mean_in_process(updates: list[list[np.ndarray]], num_examples: list[int], workflow: dict,
+                           seed: int = 0) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """What ``SecAggPlusWorkflow`` hands the strategy for these clients' updates, computed in this
+    process with Flower's own SecAgg+ functions: each client's weighting, quantization, private
+    and pairwise masks and reduction as ``secaggplus_mod``'s fit stage does them, then the
+    server's sum modulo the modulus, the private masks' removal (pairwise ones cancel) and its
+    dequantization, as ``SecAggPlusWorkflow``'s unmask stage does them. Keys and secret shares
+    are left out: they decide which masks are drawn, never an integer of the result. Returns the
+    mean and each client's masked integer arrays (what it uploads)."""
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
+        factor_combine, factor_extract, parameters_addition, parameters_mod, parameters_multiply,
+        parameters_subtraction)
+    from flwr.common.secure_aggregation.quantization import dequantize, quantize
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+
+    q, c, m, w = (workflow[k] for k in ("quantization_range", "clipping_range", "modulus_range", "max_weight"))
+    rng = np.random.default_rng(seed)
+    k = len(updates)
+    private = [rng.bytes(32) for _ in range(k)]
+    pairwise = {(i, j): rng.bytes(32) for i in range(k) for j in range(i + 1, k)}
+    uploads = []
+    for i, (update, n) in enumerate(zip(updates, num_examples, strict=True)):
+        q_ratio = round(n / w * q)
+        vector = factor_combine(q_ratio, quantize(parameters_multiply(update, q_ratio / q), c, q))
+        shapes = [a.shape for a in vector]
+        vector = parameters_addition(vector, pseudo_rand_gen(private[i], m, shapes))
+        for j in range(k):
+            if j != i:
+                mask = pseudo_rand_gen(pairwise[min(i, j), max(i, j)], m, shapes)
+                vector = parameters_addition(vector, mask) if i > j else parameters_subtraction(vector, mask)
+        uploads.append(parameters_mod(vector, m))
+    total = uploads[0]
+    for vector in uploads[1:]:
+        total = parameters_addition(total, vector)
+    for i in range(k):
+        total = parameters_subtraction(parameters_mod(total, m), pseudo_rand_gen(private[i], m, shapes))
+    q_total, total = factor_extract(parameters_mod(total, m))
+    mean = [(a - (k - 1) * c) * (q / q_total) for a in dequantize(total, c, q)]
+    return mean, uploads
 
 
 def main() -> None:

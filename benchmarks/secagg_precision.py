@@ -1,6 +1,17 @@
-"""SecAgg+ precision: how far the aggregate of real Flower SecAgg+ lies from exact FedAvg.
+"""SecAgg+ precision: how far the aggregate of real Flower SecAgg+ lies from exact FedAvg, and
+what each precision target costs on the wire.
 
     python benchmarks/secagg_precision.py [--out benchmarks/results/secagg_precision.json]
+    python benchmarks/secagg_precision.py --bits [--out benchmarks/results/secagg_bits.json]
+
+``--bits``: for each ``secagg.precision`` in ``BITS_PRECISIONS``, the derived quantization range
+and the smallest modulus for 3 clients (``flwr_verl.secagg.derive_parameters``), and, for this
+spec's client updates, through real SecAgg+ (one Flower simulation, one round per precision)
+and through Flower's SecAgg+ functions in this process (``secure_mean_in_process``, also at the
+worst-case weights the derivation assumes): the max abs error against exact FedAvg, and the
+bytes per parameter of each client's masked upload as Flower 1.42 serializes it (the
+``ConfigRecord`` of ``ndarray_to_bytes`` int64 arrays that ``secaggplus_mod`` returns, deflated
+as it is pushed), beside what k-bit packing of the smallest modulus would cost.
 
 The same client updates of a LoRA-sized adapter (29k parameters, |update| < 0.5, 96/256/480
 examples, max-weight 500) go through plain aggregation and through real SecAgg+ (one Flower
@@ -23,7 +34,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from secagg_harness import NUM_EXAMPLES, REPO, client_new_weights, run_flower, secagg_kwargs  # noqa: E402
+from secagg_harness import (  # noqa: E402
+    NUM_EXAMPLES,
+    REPO,
+    client_new_weights,
+    client_output,
+    initial_arrays,
+    run_flower,
+    secagg_kwargs,
+    secure_mean_in_process,
+)
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "secagg_precision.json"
 
@@ -34,9 +54,16 @@ LORA_SHAPES = [shape for _ in range(2)
                for shape in ((8, fan_in), (fan_out, 8))]
 
 
+# The phases' secagg.precision: float64 updates then aggregate far below float32's resolution
+# (1.2e-7), which the tests compare. At clipping range 0.5 half of it gives the same quantization
+# range, so the two ranges compare at equal Q.
+SPEC_PRECISION = 1e-8
+BITS_PRECISIONS = (1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
+
+
 def precision_spec() -> dict:
-    derived = secagg_kwargs()
-    tight = secagg_kwargs(clipping_range=0.5)  # fits |delta| <= 0.5, not the weights (|w| <= 0.9)
+    derived = secagg_kwargs(precision=SPEC_PRECISION)
+    tight = secagg_kwargs(clipping_range=0.5, precision=SPEC_PRECISION / 2)  # fits |delta| <= 0.5, not |w| <= 0.9
     phases = [
         {"name": "plain_delta_f32", "secagg": None, "format": "delta", "dtype": "float32"},
         {"name": "plain_delta_f64", "secagg": None, "format": "delta", "dtype": "float64"},
@@ -104,7 +131,7 @@ def measure(timeout: float) -> dict:
     spec = precision_spec()
     spec["verbose"] = False
     results = run_flower(spec, timeout=timeout)
-    workflow = secagg_kwargs()
+    workflow = secagg_kwargs(precision=SPEC_PRECISION)
     return {"setup": {"num_params": int(sum(int(np.prod(s)) for s in spec["shapes"])),
                       "num_examples": spec["num_examples"], "max_abs_delta": spec["delta_scale"],
                       "max_abs_initial_weight": spec["weight_scale"], "max_weight": workflow["max_weight"],
@@ -113,11 +140,87 @@ def measure(timeout: float) -> dict:
             "leftover_processes": results["leftover_pids"]}
 
 
+def upload_bytes(upload: list[np.ndarray]) -> int:
+    """One client's masked upload as Flower 1.42 sends it: ``secaggplus_mod`` returns
+    ``{masked_parameters: [ndarray_to_bytes(a) for a in arrays]}`` in a ConfigRecord."""
+    from flwr.app import ConfigRecord
+    from flwr.common import ndarray_to_bytes
+
+    return len(ConfigRecord({"masked_parameters": [ndarray_to_bytes(a) for a in upload]}).deflate())
+
+
+def bits_spec() -> dict:
+    """One real SecAgg+ round per precision, float64 deltas."""
+    spec = precision_spec()
+    spec["phases"] = [{"name": f"precision_{p:g}", "secagg": secagg_kwargs(precision=p), "format": "delta",
+                       "dtype": "float64", "rounds": 1, "capture": True} for p in BITS_PRECISIONS]
+    spec["verbose"] = False
+    return spec
+
+
+def measure_bits(timeout: float) -> dict:
+    """Bytes per parameter against precision (see the module docstring)."""
+    from flwr_verl.secagg import MODULUS_RANGE
+
+    spec = bits_spec()
+    results = run_flower(spec, timeout=timeout)
+    phases = {p["name"]: p for p in results["phases"]}
+    exact, initial = exact_fedavg(spec), initial_arrays(spec)
+    num_params = int(sum(int(np.prod(s)) for s in spec["shapes"]))
+    updates = [client_output(spec, pid, initial, "delta", "float64") for pid in range(spec["num_supernodes"])]
+    exact_mean = [sum(n * u[i] for n, u in zip(spec["num_examples"], updates)) / sum(spec["num_examples"])
+                  for i in range(len(initial))]
+    floor_weights = [min(spec["num_examples"])] * 3  # every client at the weight floor the derivation assumes
+    floor_mean = [sum(u[i] for u in updates) / 3 for i in range(len(initial))]
+    rows = []
+    for precision, setting in zip(BITS_PRECISIONS, spec["phases"]):
+        kwargs = setting["secagg"]
+        phase = phases[setting["name"]]
+        mean, uploads = secure_mean_in_process(updates, list(spec["num_examples"]), kwargs, seed=1)
+        floor, _ = secure_mean_in_process(updates, floor_weights, kwargs, seed=1)
+        smallest = (3 * kwargs["quantization_range"]).bit_length()  # modulus 2**smallest holds 3 clients
+        rows.append({
+            "precision": precision, "quantization_range": kwargs["quantization_range"],
+            "quantization_bits": kwargs["quantization_range"].bit_length(),
+            "smallest_modulus_bits_3_clients": smallest, "workflow_modulus_bits": MODULUS_RANGE.bit_length() - 1,
+            "error_real_secagg": (max_abs_diff(phase["weights"], exact)
+                                  if phase["aggregated_rounds"] == 1 else None),
+            "error_in_process": max_abs_diff(mean, exact_mean),
+            "error_in_process_at_weight_floor": max_abs_diff(floor, floor_mean),
+            "upload_bytes_per_param": upload_bytes(uploads[0]) / num_params,
+            "upload_dtype": str(uploads[0][1].dtype),
+            "packed_bytes_per_param": smallest / 8,
+        })
+    workflow = secagg_kwargs()
+    return {"setup": {"num_params": num_params, "num_examples": spec["num_examples"],
+                      "max_weight": workflow["max_weight"], "weight_floor": min(spec["num_examples"]),
+                      "clipping_range": workflow["clipping_range"], "clients": spec["num_supernodes"]},
+            "rows": rows, "leftover_processes": results["leftover_pids"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--bits", action="store_true", help="bytes per parameter against secagg.precision")
     args = parser.parse_args(argv)
+    if args.bits:
+        report = measure_bits(args.timeout)
+        print("bytes per parameter against secagg.precision (3 clients, float64 deltas, clipping range 1)")
+        print(f"  {'precision':>9} {'Q':>11} {'bits':>4} {'real':>9} {'in-proc':>9} {'floor':>9} {'wire B/p':>8} "
+              f"{'packed B/p':>10}")
+        for row in report["rows"]:
+            real = f"{row['error_real_secagg']:.2e}" if row["error_real_secagg"] is not None else "failed"
+            print(f"  {row['precision']:>9.0e} {row['quantization_range']:>11d} "
+                  f"{row['smallest_modulus_bits_3_clients']:>4d} {real:>9} {row['error_in_process']:9.2e} "
+                  f"{row['error_in_process_at_weight_floor']:9.2e} {row['upload_bytes_per_param']:8.3f} "
+                  f"{row['packed_bytes_per_param']:10.3f}")
+        out = args.out or DEFAULT_OUT.with_name("secagg_bits.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {out}")
+        return report
+    args.out = args.out or DEFAULT_OUT
     report = measure(args.timeout)
     print("precision: |global - exact FedAvg| after one round (float64 server state), max and rms")
     for name, entry in report["errors"].items():

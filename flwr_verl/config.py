@@ -490,6 +490,7 @@ class SecAggConfig:
     clipping_range: float = 1.0  # bound on |update| per coordinate; larger is an error, never clipped
     max_weight: int = 0  # bound on any client's num_examples; 0 = derive from data.train_size
     timeout: float = 300.0
+    precision: float = 1e-7  # max abs error of the aggregate vs exact FedAvg: sets the quantization range (secagg.py)
 
     def __post_init__(self) -> None:
         require(self.num_shares >= 3, "secagg.num-shares", self.num_shares, "must be >= 3 (Flower's SecAgg+)")
@@ -498,6 +499,9 @@ class SecAggConfig:
         require(self.clipping_range > 0, "secagg.clipping-range", self.clipping_range, "must be > 0")
         require(self.max_weight >= 0, "secagg.max-weight", self.max_weight, "must be >= 0 (0 = auto)")
         require(self.timeout > 0, "secagg.timeout", self.timeout, "must be > 0")
+        require(0 < self.precision < self.clipping_range, "secagg.precision", self.precision,
+                f"must be in (0, secagg.clipping-range={self.clipping_range:g}): the max abs error of the secure "
+                "aggregate against exact FedAvg")
 
 
 @dataclass
@@ -583,6 +587,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         client_level, secagg = self.engine.privacy.client_level, self.federation.secagg
+        data, weights = self.engine.data, self.engine.privacy.num_examples
+        known_max_weight = (secagg.max_weight or weights == "fixed"
+                            or (not data.train_files and data.partition == "iid"))
+        if secagg.enabled and not client_level.enabled and known_max_weight:
+            from flwr_verl.secagg import derive_parameters  # it imports this module
+
+            # secagg.precision must be reachable. The server derives the same settings again, and
+            # reports an automatic max-weight that the data cannot give.
+            derive_parameters(secagg, data, self.federation.min_fit_clients, weights)
         if not client_level.enabled:
             return
         require(self.federation.compression.density == 1, "compression.density", self.federation.compression.density,

@@ -51,9 +51,10 @@ def run_server(grid: Grid, context: Context) -> Path:
     """
     config = parse_run_config(context.run_config)
     federation, engine = config.federation, config.engine
-    secagg = (derive_parameters(federation.secagg, engine.data, federation.min_fit_clients)
-              if federation.secagg.enabled else None)
     client_level = engine.privacy.client_level if engine.privacy.client_level.enabled else None
+    weights = "fixed" if client_level else engine.privacy.num_examples  # client-level DP sends weight 1
+    secagg = (derive_parameters(federation.secagg, engine.data, federation.min_fit_clients, weights)
+              if federation.secagg.enabled else None)
     workflow_secagg = integer_secagg_parameters(secagg, client_level.bits) if client_level else secagg
     adapters = build_stage_models(engine).adapters
     run = RunDirectory.create(federation.output_dir, adapters, config)
