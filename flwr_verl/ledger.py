@@ -196,14 +196,10 @@ class PrivacyLedger:
             after = before.after(mechanism, iterations)
             if budget and after.epsilon(delta) > budget:
                 return Spend(before, before, refused=True)
-            now = time.time()
-            self._db.execute("INSERT OR IGNORE INTO data_sets VALUES (?, ?, ?, ?)",
-                             (key.fingerprint, key.unit, key.description, now))
-            self._db.execute(
-                "INSERT INTO spends (fingerprint, unit, run_id, server_round, noise_multiplier, sample_rate, "
-                "ppo_epochs, iterations, recorded, metrics_noise_multiplier) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key.fingerprint, key.unit, str(run_id), server_round, mechanism.noise_multiplier,
-                 mechanism.sample_rate, mechanism.ppo_epochs, iterations, now, mechanism.metrics_noise_multiplier))
+            self._append(key, "spends", {
+                "run_id": str(run_id), "server_round": server_round, "noise_multiplier": mechanism.noise_multiplier,
+                "sample_rate": mechanism.sample_rate, "ppo_epochs": mechanism.ppo_epochs, "iterations": iterations,
+                "metrics_noise_multiplier": mechanism.metrics_noise_multiplier})
             return Spend(before, after, refused=False)
 
     def spend_client_level(self, key: DataSetKey, plan: SkellamPlan, *, budget: float, delta: float, run_id: str,
@@ -221,15 +217,20 @@ class PrivacyLedger:
             after = account.epsilon(delta)
             if budget and after > budget:
                 return ClientLevelSpend(before, before, refused=True)
-            now = time.time()
-            self._db.execute("INSERT OR IGNORE INTO data_sets VALUES (?, ?, ?, ?)",
-                             (key.fingerprint, key.unit, key.description, now))
-            self._db.execute(
-                "INSERT INTO client_level_spends (fingerprint, unit, run_id, server_round, variance, l1_sensitivity, "
-                "l2_sensitivity, sample_rate, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key.fingerprint, key.unit, str(run_id), server_round, plan.central_variance, plan.l1_sensitivity,
-                 plan.l2_sensitivity, 1.0, now))
+            self._append(key, "client_level_spends", {
+                "run_id": str(run_id), "server_round": server_round, "variance": plan.central_variance,
+                "l1_sensitivity": plan.l1_sensitivity, "l2_sensitivity": plan.l2_sensitivity, "sample_rate": 1.0})
             return ClientLevelSpend(before, after, refused=False)
+
+    def _append(self, key: DataSetKey, table: str, spend: dict[str, Any]) -> None:
+        """Append one spend of ``key``'s data set to ``table`` (registering the data set on its
+        first spend); inside the caller's transaction."""
+        now = time.time()
+        self._db.execute("INSERT OR IGNORE INTO data_sets VALUES (?, ?, ?, ?)",
+                         (key.fingerprint, key.unit, key.description, now))
+        columns = ["fingerprint", "unit", *spend, "recorded"]
+        self._db.execute(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                         (key.fingerprint, key.unit, *spend.values(), now))
 
     @contextlib.contextmanager
     def _transaction(self):

@@ -119,7 +119,7 @@ def test_a_changed_data_set_gets_a_new_entry(tiny_config, tmp_path):
     ledger.spend(old, IterationMechanism(1.0, 0.25), 3, budget=0, delta=DELTA, accountant="rdp", run_id="1",
                  server_round=1)
     assert ledger.account(new).steps == 0 and ledger.account(old).steps == 3
-    assert ledger.account(DataSetKey(old.fingerprint, "client")).steps == 0  # another privacy unit, another budget
+    assert ledger.account(DataSetKey(old.fingerprint, "client")).rounds == 0  # another privacy unit, another budget
 
 
 # One spender, run in this process and in another: one iteration at a time until the ledger refuses.
