@@ -20,7 +20,9 @@ With every client's weight at least ``rho * W``, ``sum(q_i) >= k (Q rho - 1/2)``
 takes the smallest Q meeting ``secagg.precision`` with rho the weight floor it can guarantee:
 a client never trains on fewer prompts than ``data.train_batch_size`` (its preflight refuses,
 ``privacy.sample_rate``), so its ``num_examples`` is at least that (``exact`` or ``bucketed``
-weights); ``fixed`` weights are all 1 (and the automatic ``max_weight`` is then 1, so rho = 1).
+weights), or, under the automatic ``max_weight`` for iid task data, exactly
+``data.train_size`` (rho = 1/2); ``fixed`` weights are all 1 (and the automatic ``max_weight``
+is then 1, so rho = 1).
 Q must stay below 2**31 (Flower rounds through int32): a target that needs more is refused,
 naming ``secagg.precision`` and the best reachable value. A loose ``max_weight`` costs
 precision: rho shrinks with it.
@@ -113,6 +115,9 @@ def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int,
     if config.num_shares > num_clients:
         raise ConfigError(f"secagg.num-shares={config.num_shares} is invalid: must be <= the {num_clients} "
                           "clients sampled per round")
+    # A client trains on at least one batch of prompts (its preflight refuses fewer), so it
+    # weighs at least that much; fixed weights are all 1.
+    smallest_weight = 1 if num_examples == "fixed" else data.train_batch_size
     if config.max_weight:
         max_weight = float(config.max_weight)
     elif num_examples == "fixed":
@@ -127,11 +132,10 @@ def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int,
                           f"{data.partition!r}: set it to an upper bound of any client's number of training "
                           "prompts (at most data.train_size * num-partitions)")
     else:
-        # Under iid a task generator gives each client exactly data.train_size prompts.
+        # Under iid a task generator gives each client exactly data.train_size prompts: its weight
+        # is that count (exact) or the power of two above it (bucketed), within [train_size, 2 * train_size].
         max_weight = float(2 * data.train_size)
-    # A client trains on at least one batch of prompts (its preflight refuses fewer), so it
-    # weighs at least that much; fixed weights are all 1.
-    smallest_weight = 1 if num_examples == "fixed" else data.train_batch_size
+        smallest_weight = data.train_size
     weight_floor = min(smallest_weight / max_weight, 1.0)
     quantization_range = quantization_range_for(config.precision, config.clipping_range, weight_floor)
     if quantization_range > MAX_QUANTIZATION_RANGE:

@@ -43,8 +43,8 @@ def test_derived_parameters_are_accepted_by_flower():
     from flwr.server.workflow import SecAggPlusWorkflow
 
     params = derive_parameters(SecAggConfig(), DataConfig(train_size=256), num_clients=3)
-    # the smallest range for 1e-7 with weights down to one batch (64) of max-weight 512
-    assert params.quantization_range == quantization_range_for(1e-7, 1.0, 64 / 512) < 2**31  # Flower: int32
+    # the smallest range for 1e-7 with weights down to the 256 prompts each client has, of max-weight 512
+    assert params.quantization_range == quantization_range_for(1e-7, 1.0, 256 / 512) < 2**31  # Flower: int32
     assert params.modulus_range == MODULUS_RANGE and bin(MODULUS_RANGE).count("1") == 1
     assert params.max_weight == 512.0  # auto: twice the prompts a task generator gives a client
     assert (params.num_shares, params.reconstruction_threshold, params.clipping_range) == (3, 2, 1.0)
@@ -149,19 +149,21 @@ def test_derived_parameters_meet_the_precision_target_through_flowers_arithmetic
                                                                                    max_weight):
     """Flower's own SecAgg+ functions in this process (``secure_mean_in_process``), in the worst
     case the derivation allows: updates filling [-c, c] (many at the edges) and two of three
-    clients at the smallest weight, one batch, the third close to it. The measured error is 0.4 to
+    clients at the smallest weight (one batch, or all of a client's prompts under auto
+    max-weight), the third close to it. The measured error is 0.4 to
     0.6 of the target (the bound is worst-case rounding); a quantization range 8x smaller misses it."""
     harness, _ = _benchmark_modules()
     data = DataConfig(train_size=64, train_batch_size=16)
     params = derive_parameters(SecAggConfig(clipping_range=clipping_range, precision=precision,
                                             max_weight=max_weight), data, num_clients=3)
-    floor = 16 / params.max_weight
+    smallest = 16 if max_weight else 64  # one batch; under auto max-weight a client has all 64 prompts
+    floor = smallest / params.max_weight
     assert error_bound(clipping_range, params.quantization_range, floor) <= precision
     assert error_bound(clipping_range, params.quantization_range - 1, floor) > precision  # the smallest
     rng = np.random.default_rng(11)
     c = clipping_range
     updates = [[rng.uniform(-c, c, size=(64, 8)), rng.choice([-c, c], size=257)] for _ in range(3)]
-    weights = [16, 16, 24]
+    weights = [smallest, smallest, smallest * 3 // 2]
     exact = [sum(n * u[i] for n, u in zip(weights, updates)) / sum(weights) for i in range(2)]
 
     def error(workflow: dict) -> float:
