@@ -7,16 +7,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from flwr_verl.client import VerlClient
-from flwr_verl.config import ConfigError, PrivacyConfig, parse_run_config
+from flwr_verl.config import ConfigError, parse_run_config
 from flwr_verl.data import DataError
 from flwr_verl.inprocess import InProcessClients, evaluate_round, fit_round
 from flwr_verl.rundir import RunDirectory
-from flwr_verl.sft import SFTUnit, load_sft_files, load_units, response_batch, response_nll, sft_loss
+from flwr_verl.sft import LocalSFTTrainer, SFTUnit, load_sft_files, load_units, response_batch
 from flwr_verl.stages import build_stage_models
 from flwr_verl.strategy import FedProxAdapters
+from tests.unit_independence import assert_units_are_independent
 
 CLIENTS = 3
 SFT = {"stage": "sft", "privacy.enabled": True, "privacy.noise_multiplier": 0.8, "privacy.deterministic": True,
@@ -111,33 +111,10 @@ def test_the_loss_reads_response_tokens_only(models):
 def test_sft_per_unit_gradients_equal_each_unit_computed_alone(models):
     """Units with 1, 2 and 3 responses of different lengths in one forward pass: each unit's
     pooled Opacus gradient is the gradient of that unit's loss computed alone."""
-    from flwr_verl.privacy import make_private, pool_rows
-
-    policy, tokenizer = models.policy, models.tokenizer
     units = [SFTUnit("t", [{"role": "user", "content": "12+7="}], ["19"]),
              SFTUnit("t", [{"role": "user", "content": "3+40="}], ["43", "34"]),
              SFTUnit("t", [{"role": "user", "content": "9+9="}], ["18", "81", "180"])]
-    params = [p for p in policy.parameters() if p.requires_grad]
-    expected = []
-    for unit in units:
-        batch = response_batch([unit], tokenizer, 256, models.device)
-        loss = sft_loss(response_nll(policy, batch), batch.unit_of_row, 1)
-        expected.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
-
-    policy.train()
-    private = make_private(policy, torch.optim.SGD(params, lr=0.0), 8, PrivacyConfig(), batch_size=4,
-                           num_mini_batches=1, rows_per_unit=1, noise_multiplier=1.0, seed=0)
-    try:
-        batch = response_batch(units, tokenizer, 256, models.device)
-        sft_loss(response_nll(policy, batch), batch.unit_of_row, batch.num_units).backward()
-        pool_rows(private.optimizer.params, batch.unit_of_row, batch.num_units)
-        for index, grads in enumerate(expected):
-            for param, grad in zip(params, grads):
-                torch.testing.assert_close(param.grad_sample[index], grad, atol=1e-6, rtol=1e-4)
-    finally:
-        private.optimizer.zero_grad()
-        private.close()
-        policy.eval()
+    assert_units_are_independent(LocalSFTTrainer(sft_run_config().engine, units, models=models), units)
 
 
 # ----------------------------------------------------------------------------- a short federated run
