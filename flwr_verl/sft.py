@@ -32,7 +32,6 @@ of its references, stripped of surrounding whitespace.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,10 +102,11 @@ def load_sft_files(files: str) -> list[SFTUnit]:
 
 
 def arithmetic_units(num_prompts: int, seed: int, split: str) -> list[SFTUnit]:
-    """The embedded demo's SFT data: ``num_prompts`` problems of ``split``, each with its correct sum."""
-    problems = embedded.sample_problems(split, num_prompts, random.Random(f"{seed}-{split}-sft"))
-    return [SFTUnit(embedded.DATA_SOURCE, [{"role": "user", "content": prompt}], [answer])
-            for prompt, answer in problems]
+    """The embedded demo's SFT data: the policy stage's ``num_prompts`` problems of ``split``
+    (``embedded.arithmetic_rows``), each with its correct sum, so both stages report on the same
+    held-out prompts."""
+    return [SFTUnit(row["data_source"], row["prompt"], [row["reward_model"]["ground_truth"]])
+            for row in embedded.arithmetic_rows(num_prompts, seed, split)]
 
 
 def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
