@@ -115,7 +115,7 @@ from flwr_verl.protocol import (
 from flwr_verl.reward_model import PATH_KEY, RewardModel, load_reward_model
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
-from flwr_verl.stages import build_stage_models, load_stage_rows, reward_model_trainer
+from flwr_verl.stages import build_stage_models, load_stage_rows, unit_trainer
 from flwr_verl.trainer import LocalPPOTrainer
 
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
@@ -239,8 +239,8 @@ class VerlClient(NumPyClient):
             raise ConfigError(f"privacy.delta={privacy.delta} is invalid for {len(train_rows)} private prompts: "
                               f"it must be below 1/N = {1 / len(train_rows):.3g} (at delta >= 1/N a mechanism may "
                               "publish one prompt outright and still meet the guarantee)")
-        if config.stage == "reward_model":  # the local objective is Bradley-Terry on preference pairs
-            self.trainer = reward_model_trainer(config, train_rows, val_rows, models or cached_models(config))
+        if config.stage != "policy":  # a fixed-data objective (SFT, Bradley-Terry): no rollout, no reward
+            self.trainer = unit_trainer(config, train_rows, val_rows, models or cached_models(config))
             self.adapters = self.trainer.models.adapters
             return
         compute_score = checked(compute_score or resolve_compute_score(config.custom_reward_function, config.data),
@@ -360,7 +360,7 @@ class VerlClient(NumPyClient):
         result = self.trainer.evaluate(self.val_rows)
         if result is None:
             return 0.0, 0, {}
-        return 1.0 - result.reward, len(self.val_rows), result.to_metrics()
+        return result.loss, len(self.val_rows), result.to_metrics()
 
     def _client_level_plan(self, parameters: list[np.ndarray], instructions: FitConfig) -> SkellamPlan:
         """The round's ``distributed_dp.SkellamPlan``, known before training (the update has the

@@ -70,10 +70,17 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "auto"
     lora_freeze_a: bool = False
+    # A saved PEFT adapter of this base (e.g. a stage-sft run's adapters/final/policy): the policy's
+    # starting LoRA weights, loaded bit for bit, in place of the seeded fresh ones. "" = fresh.
+    init_adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.path:
             require(Path(self.path).is_dir(), "model.path", self.path, "must be an existing local model directory")
+        if self.init_adapter:
+            require((Path(self.init_adapter).expanduser() / "adapter_config.json").is_file(), "model.init_adapter",
+                    self.init_adapter, "must be an existing PEFT adapter directory (with adapter_config.json), "
+                    "e.g. a stage-sft run's adapters/final/policy; \"\" starts from fresh LoRA weights")
         require(self.lora_rank > 0, "model.lora_rank", self.lora_rank, "must be > 0")
         require(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "must be > 0")
         require(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "must be in [0, 1)")
@@ -377,8 +384,9 @@ class TrainerConfig:
 
 # The stages of the RLHF pipeline, each a local objective on LoRA adapters (``flwr_verl.stages``):
 # policy: verl's PPO family against the rule reward or a learned reward model (reward_model.*);
-# reward_model: a reward model learned from preference pairs (Bradley-Terry, ``flwr_verl.preference``).
-STAGES = ("policy", "reward_model")
+# reward_model: a reward model learned from preference pairs (Bradley-Terry, ``flwr_verl.preference``);
+# sft: supervised fine-tuning of the policy on (prompt, response) pairs (``flwr_verl.sft``).
+STAGES = ("policy", "reward_model", "sft")
 
 
 @dataclass(frozen=True)
@@ -413,8 +421,9 @@ class LocalBudget:
 @dataclass
 class EngineConfig:
     """Everything one client's local RL engine needs. ``stage`` picks the local objective; under
-    ``reward_model`` the data files are preference pairs and ``actor``'s optimizer keys (lr,
-    weight_decay, grad_clip, ppo_epochs, ppo_mini_batch_size) configure the reward model's update."""
+    ``reward_model`` the data files are preference pairs, under ``sft`` (prompt, response) pairs,
+    and ``actor``'s optimizer keys (lr, weight_decay, grad_clip, ppo_epochs, ppo_mini_batch_size)
+    configure that stage's update."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -433,6 +442,11 @@ class EngineConfig:
         require(self.stage in STAGES, "stage", self.stage, f"allowed: {', '.join(STAGES)}")
         require(not (self.stage == "reward_model" and self.reward_model.enable), "reward_model.enable",
                 self.reward_model.enable, "must be false under stage='reward_model' (that stage trains one)")
+        require(not (self.stage == "sft" and self.reward_model.enable), "reward_model.enable", self.reward_model.enable,
+                "must be false under stage='sft' (it learns from reference responses, not from a reward)")
+        require(not (self.stage == "reward_model" and self.model.init_adapter), "model.init_adapter",
+                self.model.init_adapter, "must be empty under stage='reward_model' (it starts the policy: stages "
+                "policy and sft)")
         batch, mini = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         require(batch % mini == 0, "actor.ppo_mini_batch_size", mini,
                 f"must divide data.train_batch_size={batch}")
@@ -453,7 +467,7 @@ class EngineConfig:
                     "(token-mean divides by the batch's token count, coupling privacy units)")
             require(self.privacy.metrics != "dp" or self.stage == "policy", "privacy.metrics", self.privacy.metrics,
                     "'dp' releases the policy stage's sampled reward and response length; under stage="
-                    "'reward_model' use 'none' or 'clear'")
+                    f"{self.stage!r} use 'none' or 'clear'")
             require(self.privacy.metrics != "dp" or self.custom_reward_function.clip > 0, "custom_reward_function.clip",
                     self.custom_reward_function.clip,
                     "must be > 0 under privacy.metrics='dp': the clip is the range of the released mean reward, "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flwr_verl import embedded
-from flwr_verl.config import DataConfig, FlwrVerlError
+from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError
 
 Row = dict[str, Any]
 ComputeScore = Callable[..., Any]
@@ -75,6 +75,32 @@ def load_parquet_rows(files: str) -> list[Row]:
     if not rows:
         raise DataError(f"{files}: no rows")
     return rows
+
+
+# ----------------------------------------------------------------------------- TRL's formats (stages sft, reward_model)
+def trl_response(value, where: str, field: str) -> str:
+    """A TRL-format response ``field`` as text: a string, or a list of messages whose contents are
+    joined; ``where`` ("file.parquet row 3") prefixes any error."""
+    if isinstance(value, str):
+        return value
+    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise DataError(f"{where}: field {field!r} must be a string or a non-empty list of "
+                        "{'role', 'content'} messages")
+    return "".join(m["content"] for m in messages)
+
+
+def trl_prompt(value, where: str) -> list[dict]:
+    """A TRL-format ``prompt`` as messages: a non-empty string (one user message) or a list of
+    {'role', 'content'} messages."""
+    if isinstance(value, str) and value:
+        return [{"role": "user", "content": value}]
+    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                               for m in messages):
+        raise DataError(f"{where}: field 'prompt' must be a non-empty string or a non-empty list of "
+                        "{'role', 'content'} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 # ----------------------------------------------------------------------------- task generators
@@ -207,6 +233,34 @@ def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, 
         source = f"data.task={config.task!r}"
         rows = task_rows(config.task, size * num_partitions, seed, split)
     return partition_rows(rows, partition_id, num_partitions, config, seed, source=source)
+
+
+def load_stage_units(config: DataConfig, split: str, seed: int, partition_id: int, num_partitions: int, *,
+                     stage: str, read_files: Callable[[str], list], arithmetic: Callable[[int, int, str], list],
+                     file_format: str) -> list:
+    """One client's privacy units of ``split`` for a stage with a data format of its own (``sft``,
+    ``reward_model``): read from the split's parquet files by ``read_files``, or made by
+    ``arithmetic(count, seed, split)`` from the embedded task (``size * num_partitions`` of them,
+    disjoint splits by construction); partitioned as prompts are (``load_rows``). Each unit has
+    a ``data_source``, which ``data.partition_by`` may skew on. ``file_format`` names the parquet
+    format in the error for another task."""
+    embedded.check_split(split)
+    if config.train_files:
+        source = {"train": config.train_files, "val": config.val_files}.get(split, "")
+        if not source:
+            return []
+        units = read_files(source)
+    else:
+        if config.task != "arithmetic":
+            raise ConfigError(f"data.task={config.task!r} has no data under stage={stage!r}; allowed: arithmetic, "
+                              f"or set data.train_files to {file_format} parquet")
+        size = config.train_size if split == "train" else config.val_size
+        if size == 0:
+            return []
+        source = f"data.task={config.task!r}"
+        units = arithmetic(size * num_partitions, seed, split)
+    rows = [{"data_source": unit.data_source, "unit": unit} for unit in units]
+    return [row["unit"] for row in partition_rows(rows, partition_id, num_partitions, config, seed, source=source)]
 
 
 def warn_on_overlap(val_rows: list[Row], train_rows: list[Row], val_files: str, train_files: str) -> int:

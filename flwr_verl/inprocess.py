@@ -7,13 +7,15 @@ isolation) is measured and tested with real Flower processes instead.
 
     clients = {str(i): VerlClient(config, train[i], val[i], partition_id=i) for i in range(3)}
     manager = InProcessClients(clients)
+    evaluate_round(strategy, manager, 0)  # the initial adapter
     for server_round in range(1, 9):
         fit_round(strategy, manager, server_round)
+        evaluate_round(strategy, manager, server_round)
 """
 
 from __future__ import annotations
 
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.criterion import Criterion
 
@@ -82,3 +84,17 @@ def fit_round(strategy: FedProxAdapters, manager: InProcessClients, server_round
         received = [(proxy, FitRes(res.status, mean, res.num_examples, res.metrics)) for proxy, res in results]
     _, metrics = strategy.aggregate_fit(server_round, received, [])
     return results, metrics
+
+
+def evaluate_round(strategy: FedProxAdapters, manager: InProcessClients,
+                   server_round: int) -> tuple[float | None, dict]:
+    """The strategy's evaluation of its global adapter on each sampled client's held-out data
+    (round 0: the initial adapter): Flower's aggregated loss and metrics, as ``aggregate_evaluate``
+    returns them."""
+    results = []
+    for proxy, ins in strategy.configure_evaluate(server_round, ndarrays_to_parameters(strategy.global_arrays),
+                                                  manager):
+        loss, num_examples, metrics = manager.clients[proxy.cid].evaluate(parameters_to_ndarrays(ins.parameters),
+                                                                          dict(ins.config))
+        results.append((proxy, EvaluateRes(Status(Code.OK, ""), loss, num_examples, metrics)))
+    return strategy.aggregate_evaluate(server_round, results, [])

@@ -194,7 +194,8 @@ class Models:
 
 
 def build_models(config: ModelConfig, with_critic: bool, seed: int = 0) -> Models:
-    """Load the base model(s) and attach fresh LoRA adapters.
+    """Load the base model(s) and attach LoRA adapters: fresh ones, or for the policy
+    ``model.init_adapter``'s weights (``load_init_adapter``).
 
     Seeding first makes the fresh adapters identical in every process, so the server and the
     clients start from the same global adapter without shipping it.
@@ -202,6 +203,8 @@ def build_models(config: ModelConfig, with_critic: bool, seed: int = 0) -> Model
     torch.manual_seed(seed)
     device = select_device(config.device)
     policy = load_policy(config, device)
+    if config.init_adapter:
+        load_init_adapter(policy, config)
     tokenizer = load_tokenizer(resolve_model_path(config))
     critic = load_critic(config, device) if with_critic else None
     return Models(tokenizer=tokenizer, policy=policy, critic=critic, device=device)
@@ -302,9 +305,34 @@ class AdapterSet:
         (Path(directory) / "adapter_order.json").write_text(json.dumps(self.names, indent=1))
 
 
-def load_adapter_into(model: PeftModel, directory: Path) -> None:
-    """Load a saved PEFT adapter directory into an already-built PEFT model (same LoRA config)."""
+def load_init_adapter(policy: PeftModel, config: ModelConfig) -> None:
+    """``model.init_adapter``: the policy's LoRA weights, bit for bit, from a saved PEFT adapter
+    (a stage-sft run's ``adapters/final/policy``). It must be an adapter of this shape: the same
+    rank and alpha as ``model.lora_rank``/``model.lora_alpha``, and a weight for every trainable
+    one of the policy (the same ``model.target_modules``); otherwise a ``ConfigError`` names the
+    key. The reference policy for KL stays the base with the adapter disabled."""
+    directory = Path(config.init_adapter).expanduser()
+    saved = json.loads((directory / "adapter_config.json").read_text())
+    if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (config.lora_rank, config.lora_alpha):
+        raise ConfigError(f"model.init_adapter={config.init_adapter!r} has LoRA r={saved.get('r')}, "
+                          f"lora_alpha={saved.get('lora_alpha')}; set model.lora_rank and model.lora_alpha to "
+                          f"them (now {config.lora_rank}, {config.lora_alpha:g})")
+    try:
+        result = load_adapter_into(policy, directory)
+    except (RuntimeError, ValueError, OSError) as error:  # torch's size mismatch, a missing weights file
+        raise ConfigError(f"model.init_adapter={config.init_adapter!r} does not fit this policy: {error}") from error
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"model.init_adapter={config.init_adapter!r} does not fit this policy's LoRA layers "
+                          f"(model.target_modules={config.target_modules!r}): {len(missing)} missing "
+                          f"(first {missing[:1]}), {len(result.unexpected_keys)} unexpected "
+                          f"(first {list(result.unexpected_keys)[:1]})")
+
+
+def load_adapter_into(model: PeftModel, directory: Path):
+    """Load a saved PEFT adapter directory into an already-built PEFT model (same LoRA config);
+    torch's load result (``missing_keys``, ``unexpected_keys``)."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
-    set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))
+    return set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))

@@ -35,10 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +44,7 @@ import torch
 
 from flwr_verl import embedded
 from flwr_verl.config import ConfigError, DataConfig, EngineConfig, ModelConfig
-from flwr_verl.data import DataError, partition_rows, read_parquet_files
+from flwr_verl.data import DataError, load_stage_units, read_parquet_files, trl_prompt, trl_response
 from flwr_verl.models import (
     AdapterSet,
     ModelLoadError,
@@ -57,8 +54,10 @@ from flwr_verl.models import (
     select_device,
     with_lora,
 )
+from flwr_verl.privacy import unit_means
 from flwr_verl.protocol import EvaluateReport
 from flwr_verl.reward_model import SCORE_HEAD, conversation_text, sequence_scores
+from flwr_verl.supervised import UnitLoss, UnitTrainer
 
 REWARD_MODEL_ROLE = "reward_model"  # the adapter's name in the run directory and the AdapterSet
 
@@ -73,28 +72,6 @@ class PreferenceUnit:
     pairs: list[tuple[str, str]]
 
 
-def _response(value, where: str, field: str) -> str:
-    """A response as text: a string, or a list of messages whose contents are joined."""
-    if isinstance(value, str):
-        return value
-    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
-    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-        raise DataError(f"{where}: field {field!r} must be a string or a non-empty list of "
-                        "{'role', 'content'} messages")
-    return "".join(m["content"] for m in messages)
-
-
-def _prompt(value, where: str) -> list[dict]:
-    if isinstance(value, str) and value:
-        return [{"role": "user", "content": value}]
-    messages = list(value) if value is not None and not isinstance(value, (str, dict)) else None
-    if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
-                               for m in messages):
-        raise DataError(f"{where}: field 'prompt' must be a non-empty string or a non-empty list of "
-                        "{'role', 'content'} messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
 def preference_units(records: list[dict], source: str) -> list[PreferenceUnit]:
     """TRL-format preference rows grouped into units by prompt (first appearance order)."""
     units: dict[str, PreferenceUnit] = {}
@@ -104,8 +81,8 @@ def preference_units(records: list[dict], source: str) -> list[PreferenceUnit]:
             if record.get(field) is None:
                 raise DataError(f"{where}: missing field {field!r} (TRL's preference format: prompt, chosen, "
                                 "rejected)")
-        prompt = _prompt(record["prompt"], where)
-        pair = (_response(record["chosen"], where, "chosen"), _response(record["rejected"], where, "rejected"))
+        prompt = trl_prompt(record["prompt"], where)
+        pair = (trl_response(record["chosen"], where, "chosen"), trl_response(record["rejected"], where, "rejected"))
         key = json.dumps(prompt, sort_keys=True)
         data_source = record.get("data_source") if isinstance(record.get("data_source"), str) else "preference"
         units.setdefault(key, PreferenceUnit(data_source, prompt, [])).pairs.append(pair)
@@ -142,23 +119,9 @@ def arithmetic_units(num_prompts: int, seed: int, split: str) -> list[Preference
 def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
                num_partitions: int = 1) -> list[PreferenceUnit]:
     """One client's preference units for ``split``, partitioned as prompts are (``data.load_rows``)."""
-    embedded.check_split(split)
-    if config.train_files:
-        source = {"train": config.train_files, "val": config.val_files}.get(split, "")
-        if not source:
-            return []
-        units = load_preference_files(source)
-    else:
-        if config.task != "arithmetic":
-            raise ConfigError(f"data.task={config.task!r} has no preference pairs under stage='reward_model'; "
-                              "allowed: arithmetic, or set data.train_files to TRL-format preference parquet")
-        size = config.train_size if split == "train" else config.val_size
-        if size == 0:
-            return []
-        source = f"data.task={config.task!r}"
-        units = arithmetic_units(size * num_partitions, seed, split)
-    rows = [{"data_source": unit.data_source, "unit": unit} for unit in units]
-    return [row["unit"] for row in partition_rows(rows, partition_id, num_partitions, config, seed, source=source)]
+    return load_stage_units(config, split, seed, partition_id, num_partitions, stage="reward_model",
+                            read_files=load_preference_files, arithmetic=arithmetic_units,
+                            file_format="TRL-format preference")
 
 
 # ----------------------------------------------------------------------------- model
@@ -222,11 +185,7 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, unit_of_pai
 
     Args: ``chosen``, ``rejected`` (P,) scores of the P pairs; ``unit_of_pair`` (P,) ids in
     [0, num_units). Safe under DP: a unit's term depends on its own pairs alone."""
-    per_pair = -torch.nn.functional.logsigmoid(chosen - rejected)
-    pairs_per_unit = torch.bincount(unit_of_pair, minlength=num_units).to(per_pair)
-    per_unit = torch.zeros(num_units, dtype=per_pair.dtype, device=per_pair.device).index_add(
-        0, unit_of_pair, per_pair) / pairs_per_unit
-    return per_unit.mean()
+    return unit_means(-torch.nn.functional.logsigmoid(chosen - rejected), unit_of_pair, num_units).mean()
 
 
 @dataclass
@@ -259,82 +218,23 @@ def pair_scores(model: torch.nn.Module, batch: PairBatch) -> tuple[torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- the local trainer
-@dataclass
-class PreferenceFit:
-    """One fit: its update (private or plain) and the stream of unit batches."""
-
-    update: object
-    batches: Iterator[list[int]]
-
-    @property
-    def mechanism(self):
-        return self.update.mechanism
-
-
-class LocalRewardModelTrainer:
+class LocalRewardModelTrainer(UnitTrainer):
     """Bradley-Terry on one client's preference units, updating only the LoRA adapter and the
-    score head. The same interface as ``trainer.LocalPPOTrainer`` (``fit``, ``evaluate``,
-    ``models.adapters``, ``policy_params``: the trained weights), so ``VerlClient`` runs either."""
+    score head, in the fixed-data loop of ``supervised.UnitTrainer`` (the interface of
+    ``trainer.LocalPPOTrainer``, so ``VerlClient`` runs either)."""
 
     def __init__(self, config: EngineConfig, train_units: list[PreferenceUnit], *,
                  models: RewardModelTrainee | None = None) -> None:
-        torch.set_num_threads(config.trainer.num_threads)
-        self.config = config
-        self.train_units = train_units
-        self.models = models or build_reward_model_trainee(config.model, seed=config.trainer.seed)
-        self.model, self.tokenizer = self.models.model, self.models.tokenizer
-        self.policy_params = [p for p in self.model.parameters() if p.requires_grad]
+        models = models or build_reward_model_trainee(config.model, seed=config.trainer.seed)
+        super().__init__(config, train_units, models, models.model)
+        self.tokenizer = models.tokenizer
 
-    def fit(self, iterations: int, *, anchor: Sequence[np.ndarray | torch.Tensor] | None = None,
-            proximal_mu: float = 0.0, noise_multiplier: float | None = None, seed: int = 0,
-            time_budget_s: float | None = None):
-        """As ``trainer.LocalPPOTrainer.fit``: up to ``iterations``, none started after ``time_budget_s``."""
-        from flwr_verl.trainer import FitResult, run_iterations
-
-        with self.start_fit(anchor=anchor, proximal_mu=proximal_mu, noise_multiplier=noise_multiplier,
-                            seed=seed) as fit:
-            metrics = run_iterations(lambda: self.iteration(fit), iterations, time_budget_s)
-        return FitResult(metrics=metrics, mechanism=fit.mechanism)
-
-    @contextmanager
-    def start_fit(self, *, anchor=None, proximal_mu: float = 0.0, noise_multiplier: float | None = None,
-                  seed: int = 0) -> Iterator[PreferenceFit]:
-        from flwr_verl.trainer import start_update
-
-        update, batches = start_update(self.model, self.policy_params, len(self.train_units), self.config,
-                                       rows_per_unit=1, anchor=anchor, proximal_mu=proximal_mu,
-                                       noise_multiplier=noise_multiplier, seed=seed)
-        try:
-            yield PreferenceFit(update, batches)
-        finally:
-            update.close()
-
-    def iteration(self, fit: PreferenceFit) -> dict[str, float]:
-        """Draw units, then ``actor.ppo_epochs`` passes of Bradley-Terry steps over mini-batches."""
-        start = time.perf_counter()
-        units = [self.train_units[i] for i in next(fit.batches)]
-        num_mini_batches = self.config.data.train_batch_size // self.config.actor.ppo_mini_batch_size
-        if not units:  # an empty Poisson draw is still a round of (noise-only) DP steps
-            for _ in range(self.config.actor.ppo_epochs * num_mini_batches):
-                fit.update.noise_only_step()
-            return {"prompts": 0.0}
-        totals: dict[str, list[float]] = defaultdict(list)
-        self.model.train()
-        for _ in range(self.config.actor.ppo_epochs):
-            for members in fit.update.split(len(units)):
-                if len(members) == 0:
-                    fit.update.noise_only_step()
-                    continue
-                batch = pair_batch([units[i] for i in members], self.tokenizer, self.models.device)
-                chosen, rejected = pair_scores(self.model, batch)
-                loss = bradley_terry_loss(chosen, rejected, batch.unit_of_pair, batch.num_units)
-                loss.backward()
-                fit.update.step(batch.unit_of_row)
-                totals["pg_loss"].append(loss.item())
-                totals["reward_mean"].append((chosen > rejected).float().mean().item())
-        self.model.eval()
-        return {"prompts": float(len(units)), **{k: float(np.mean(v)) for k, v in totals.items()},
-                "time_update": time.perf_counter() - start}
+    def unit_loss(self, units: list[PreferenceUnit]) -> UnitLoss:
+        batch = pair_batch(units, self.tokenizer, self.models.device)
+        chosen, rejected = pair_scores(self.model, batch)
+        loss = bradley_terry_loss(chosen, rejected, batch.unit_of_pair, batch.num_units)
+        return UnitLoss(loss, batch.unit_of_row, {"pg_loss": loss.item(),
+                                                  "reward_mean": (chosen > rejected).float().mean().item()})
 
     @torch.no_grad()
     def evaluate(self, units: list[PreferenceUnit], micro_batch_size: int = 64) -> EvaluateReport | None:

@@ -292,6 +292,15 @@ def pool_rows(params: list[torch.nn.Parameter], unit_of_row: torch.Tensor, num_u
         param.grad_sample = pooled * (num_units / sample.shape[0])
 
 
+def unit_means(values: torch.Tensor, unit_of_row: torch.Tensor, num_units: int) -> torch.Tensor:
+    """Each unit's mean of its rows' ``values``: (num_units,) from (R,), row r in unit
+    ``unit_of_row[r]``. A loss that is the mean of these over units is the one ``pool_rows``
+    turns into exact per-unit gradients: each unit's term depends on its own rows alone."""
+    rows_per_unit = torch.bincount(unit_of_row, minlength=num_units).to(values)
+    return torch.zeros(num_units, dtype=values.dtype, device=values.device).index_add(
+        0, unit_of_row, values) / rows_per_unit
+
+
 @dataclass
 class PrivateUpdate:
     """The DP-SGD update of one fit: what ``make_private`` returns.

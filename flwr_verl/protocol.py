@@ -252,13 +252,21 @@ class EvaluateReport:
 
     reward: float
     accuracy: float  # share of responses with reward >= 1
+    response_loss: float | None = None  # stage sft: mean held-out response NLL per token (``sft.py``)
+
+    @property
+    def loss(self) -> float:
+        """What the client returns as Flower's evaluation loss: the response loss where there is
+        one, else 1 - reward."""
+        return 1.0 - self.reward if self.response_loss is None else self.response_loss
 
     def to_metrics(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, Any]) -> EvaluateReport:
-        return cls(**_read_fields(cls, metrics, ""))
+        return cls(**_read_fields(cls, metrics, "", skip={"response_loss"}),
+                   response_loss=_read(metrics, "response_loss", float, None))
 
 
 def _read_fields(cls, values: dict[str, Any], prefix: str, skip: frozenset | set = frozenset()) -> dict[str, Any]:

@@ -537,9 +537,10 @@ class FedProxAdapters(Strategy):
         loss = sum(r.num_examples * r.loss for _, r in results) / sum(r.num_examples for _, r in results)
         reports = [(r.num_examples, EvaluateReport.from_metrics(r.metrics)) for _, r in results]
         metrics = {name: weighted_mean([(n, getattr(report, name)) for n, report in reports])
-                   for name in (f.name for f in dataclasses.fields(EvaluateReport))}
-        log(INFO, "round %s: held-out greedy reward %.3f, accuracy %.3f", round_number, metrics["reward"],
-            metrics["accuracy"])
+                   for name in (f.name for f in dataclasses.fields(EvaluateReport))
+                   if all(getattr(report, name) is not None for _, report in reports)}  # optional ones: all or none
+        log(INFO, "round %s: held-out greedy reward %.3f, accuracy %.3f%s", round_number, metrics["reward"],
+            metrics["accuracy"], f", response loss {metrics['response_loss']:.4f}" if "response_loss" in metrics else "")
         return loss, metrics
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Scalar]] | None:

@@ -7,18 +7,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from flwr_verl.config import PrivacyConfig, parse_run_config
+from flwr_verl.config import parse_run_config
 from flwr_verl.data import DataError
 from flwr_verl.preference import (
     LocalRewardModelTrainer,
     PreferenceUnit,
-    bradley_terry_loss,
     build_reward_model_trainee,
     load_preference_files,
     load_units,
     pair_batch,
     pair_scores,
 )
+from tests.unit_independence import assert_units_are_independent
 
 STAGE1 = {"stage": "reward_model", "privacy.enabled": True, "privacy.noise_multiplier": 1.0,
           "privacy.deterministic": True, "data.train_size": 64, "data.val_size": 32, "data.train_batch_size": 16,
@@ -84,34 +84,11 @@ def test_embedded_pairs_are_correct_sums_against_near_misses_and_held_out_prompt
 def test_bradley_terry_per_unit_gradients_equal_each_unit_computed_alone(trainee):
     """Units with 1, 2 and 3 pairs in one forward pass: each unit's pooled Opacus gradient is the
     gradient of that unit's loss computed alone (no coupling between privacy units)."""
-    from flwr_verl.privacy import make_private, pool_rows
-
     config, models = trainee
-    model, tokenizer = models.model, models.tokenizer
     units = [PreferenceUnit("t", [{"role": "user", "content": "12+7="}], [("19", "18")]),
              PreferenceUnit("t", [{"role": "user", "content": "3+40="}], [("43", "44"), ("43", "34")]),
              PreferenceUnit("t", [{"role": "user", "content": "9+9="}], [("18", "17"), ("18", "19"), ("18", "81")])]
-    params = [p for p in model.parameters() if p.requires_grad]
-    expected = []
-    for unit in units:
-        batch = pair_batch([unit], tokenizer, models.device)
-        loss = bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, 1)
-        expected.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
-
-    model.train()
-    private = make_private(model, torch.optim.SGD(params, lr=0.0), 8, PrivacyConfig(), batch_size=4,
-                           num_mini_batches=1, rows_per_unit=1, noise_multiplier=1.0, seed=0)
-    try:
-        batch = pair_batch(units, tokenizer, models.device)
-        bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, batch.num_units).backward()
-        pool_rows(private.optimizer.params, batch.unit_of_row, batch.num_units)
-        for index, grads in enumerate(expected):
-            for param, grad in zip(params, grads):
-                torch.testing.assert_close(param.grad_sample[index], grad, atol=1e-6, rtol=1e-4)
-    finally:
-        private.optimizer.zero_grad()
-        private.close()
-        model.eval()
+    assert_units_are_independent(LocalRewardModelTrainer(config, units, models=models), units)
 
 
 def test_only_the_adapter_and_score_head_train_and_the_base_stays_bit_identical(trainee):

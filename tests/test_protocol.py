@@ -62,6 +62,9 @@ def test_fit_report_round_trips_through_flowers_metrics(report):
 def test_evaluate_report_round_trips():
     report = EvaluateReport(reward=0.5, accuracy=0.25)
     assert EvaluateReport.from_metrics(report.to_metrics()) == report
+    assert "response_loss" not in report.to_metrics() and report.loss == 0.5  # Flower's loss: 1 - reward
+    sft = EvaluateReport(reward=0.5, accuracy=0.5, response_loss=0.7)  # stage sft
+    assert EvaluateReport.from_metrics(sft.to_metrics()) == sft and sft.loss == 0.7
 
 
 @pytest.mark.parametrize(("broken", "message"), [
