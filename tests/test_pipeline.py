@@ -11,13 +11,7 @@ import pytest
 
 from tests.flower_harness import REPO, SMALL_RUN, local_deployment, records, run_directories
 
-pytestmark = [
-    pytest.mark.slow,
-    # Failed on a fresh clone on 2026-12-01: stage 1's clients crashed (two merge bugs, fixed since
-    # and covered by test_preference's client test). Skipped, not deleted, until it has passed on a
-    # real deployment (issue 11, open).
-    pytest.mark.skip(reason="not yet passed on a real deployment since the stage-1 client fixes; issue 11"),
-]
+pytestmark = pytest.mark.slow
 
 ONE_ROUND = {**SMALL_RUN, "num-server-rounds": 1, "trainer.local_iterations": 2}
 
