@@ -320,18 +320,19 @@ class LocalRewardModelTrainer:
             return {"prompts": 0.0}
         totals: dict[str, list[float]] = defaultdict(list)
         self.model.train()
-        for _ in range(self.config.actor.ppo_epochs):
-            for members in fit.update.split(len(units)):
-                if len(members) == 0:
-                    fit.update.noise_only_step()
-                    continue
-                batch = pair_batch([units[i] for i in members], self.tokenizer, self.models.device)
-                chosen, rejected = pair_scores(self.model, batch)
-                loss = bradley_terry_loss(chosen, rejected, batch.unit_of_pair, batch.num_units)
-                loss.backward()
-                fit.update.step(batch.unit_of_row)
-                totals["pg_loss"].append(loss.item())
-                totals["reward_mean"].append((chosen > rejected).float().mean().item())
+        with fit.update.recording():  # under DP, only these forward passes feed per-sample gradients
+            for _ in range(self.config.actor.ppo_epochs):
+                for members in fit.update.split(len(units)):
+                    if len(members) == 0:
+                        fit.update.noise_only_step()
+                        continue
+                    batch = pair_batch([units[i] for i in members], self.tokenizer, self.models.device)
+                    chosen, rejected = pair_scores(self.model, batch)
+                    loss = bradley_terry_loss(chosen, rejected, batch.unit_of_pair, batch.num_units)
+                    fit.update.backward(loss)
+                    fit.update.step(batch.unit_of_row)
+                    totals["pg_loss"].append(loss.item())
+                    totals["reward_mean"].append((chosen > rejected).float().mean().item())
         self.model.eval()
         return {"prompts": float(len(units)), **{k: float(np.mean(v)) for k, v in totals.items()},
                 "time_update": time.perf_counter() - start}

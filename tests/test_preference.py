@@ -103,7 +103,8 @@ def test_bradley_terry_per_unit_gradients_equal_each_unit_computed_alone(trainee
                            num_mini_batches=1, rows_per_unit=1, noise_multiplier=1.0, seed=0)
     try:
         batch = pair_batch(units, tokenizer, models.device)
-        bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, batch.num_units).backward()
+        with private.recording():
+            private.backward(bradley_terry_loss(*pair_scores(model, batch), batch.unit_of_pair, batch.num_units))
         pool_rows(private.optimizer.params, batch.unit_of_row, batch.num_units)
         for index, grads in enumerate(expected):
             for param, grad in zip(params, grads):
