@@ -36,7 +36,7 @@ class _RecordedForward:
     """One trainable layer's part of a recorded forward pass."""
 
     layer: torch.nn.Module
-    activation: torch.Tensor  # the layer's input, detached: (batch, ..., in_features)
+    activations: list[torch.Tensor]  # the layer's inputs, detached; batch first
     output: torch.Tensor  # the layer's output, in the autograd graph
 
 
@@ -89,7 +89,7 @@ class PerSampleGradients:
 
     def _record(self, layer: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if layer.training and torch.is_grad_enabled():
-            self._recorded.append(_RecordedForward(layer, inputs[0].detach(), output))
+            self._recorded.append(_RecordedForward(layer, [t.detach() for t in inputs], output))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Set ``grad_sample`` on every trainable weight from one recorded forward pass and its
@@ -103,8 +103,9 @@ class PerSampleGradients:
                                "take one backward per forward pass")
         backprops = torch.autograd.grad(loss, [record.output for record in recorded])
         for record, backprop in zip(recorded, backprops):
-            rows = record.activation.shape[0]  # loss_reduction="mean": each row's gradient is rows x its share
-            for param, sample in self._samplers[record.layer](record.layer, [record.activation], backprop * rows).items():
+            rows = record.activations[-1].shape[0]  # loss_reduction="mean": a row's gradient is rows x its share
+            sampler = self._samplers[record.layer]
+            for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
                 param.grad_sample = sample
 
     def close(self) -> None:

@@ -411,8 +411,7 @@ def test_lora_weights_change_under_dp(models, rows):
     assert not per_sample_hooks_attached(models.policy), "fit left Opacus hooks attached"
 
 
-@pytest.mark.parametrize("mode", ["hooks", "functorch"])
-def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypatch, mode):
+def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypatch):
     """A short seeded DP fit (2 iterations of 2 mini-batches, noise on) ends at the same weights,
     bit for bit, as the same fit with Opacus's hooks on the policy throughout (the path before
     per-sample gradients were recorded only in the update)."""
@@ -427,12 +426,12 @@ def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypa
         with torch.no_grad():
             for param, value in zip(params, start):
                 param.copy_(value)
-        result = LocalPPOTrainer(small_config(grad_sample_mode=mode), rows, models=models).fit(2, seed=4)
+        result = LocalPPOTrainer(small_config(), rows, models=models).fit(2, seed=4)
         return [p.detach().clone() for p in params], result.metrics
 
     weights, metrics = fit()
     with monkeypatch.context() as patch:
-        hooks = GradSampleHooks(models.policy, loss_reduction="mean", force_functorch=mode == "functorch")
+        hooks = GradSampleHooks(models.policy, loss_reduction="mean")
         patch.setattr(PerSampleGradients, "recording", lambda self: contextlib.nullcontext())
         patch.setattr(PerSampleGradients, "backward", lambda self, loss: loss.backward())
         try:
