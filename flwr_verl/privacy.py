@@ -35,6 +35,7 @@ import json
 import math
 import secrets
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
     from flwr_verl.per_sample import PerSampleGradients
-
 
 
 def sample_rate(batch_size: int, num_prompts: int) -> float:
@@ -318,7 +318,7 @@ class PrivateUpdate:
         assignment = self.rng.integers(self.num_mini_batches, size=unit_count)
         return [np.flatnonzero(assignment == batch) for batch in range(self.num_mini_batches)]
 
-    def recording(self):
+    def recording(self) -> AbstractContextManager[None]:
         """A block whose training forward passes ``backward`` can differentiate per row."""
         return self.per_sample.recording()
 
