@@ -330,6 +330,9 @@ class PrivateUpdate:
         """After ``backward(loss)`` on one mini-batch: one DP-SGD step. Rows are pooled into
         units by ``unit_of_row`` (ids 0..U-1) when given, else ``rows_per_unit`` adjacent rows
         at a time."""
+        if any(getattr(param, "grad_sample", None) is None for param in self.optimizer.params):
+            raise RuntimeError("PrivateUpdate.step: no per-sample gradients; run the forward pass inside "
+                               "update.recording() and call update.backward(loss), not loss.backward()")
         if unit_of_row is not None:
             pool_rows(self.optimizer.params, unit_of_row, int(unit_of_row.max()) + 1)
         else:

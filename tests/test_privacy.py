@@ -301,6 +301,8 @@ def test_passes_outside_the_update_run_unhooked_and_record_nothing(models, batch
         policy.train()
         policy_loss(policy, batch).backward()  # outside the recording: a plain backward
         assert all(getattr(p, "grad_sample", None) is None for p in params)
+        with pytest.raises(RuntimeError, match=r"update.backward\(loss\)"):
+            private.step()
     finally:
         clear_gradients(policy)
         private.close()
