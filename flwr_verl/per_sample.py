@@ -37,7 +37,8 @@ class _RecordedForward:
 
     layer: torch.nn.Module
     activations: list[torch.Tensor]  # the layer's inputs, detached; batch first
-    output: torch.Tensor  # the layer's output, in the autograd graph
+    output: torch.autograd.graph.GradientEdge  # where the layer's output enters the graph (not the tensor:
+    # holding it would keep every layer's output alive until the backward)
 
 
 def sampled_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -89,7 +90,8 @@ class PerSampleGradients:
 
     def _record(self, layer: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if layer.training and torch.is_grad_enabled():
-            self._recorded.append(_RecordedForward(layer, [t.detach() for t in inputs], output))
+            self._recorded.append(_RecordedForward(layer, [t.detach() for t in inputs],
+                                                   torch.autograd.graph.get_gradient_edge(output)))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Set ``grad_sample`` on every trainable weight from one recorded forward pass and its
@@ -101,8 +103,9 @@ class PerSampleGradients:
         if len({id(record.layer) for record in recorded}) < len(recorded):
             raise RuntimeError("PerSampleGradients.backward: a layer ran more than once since the last backward; "
                                "take one backward per forward pass")
-        backprops = torch.autograd.grad(loss, [record.output for record in recorded])
-        for record, backprop in zip(recorded, backprops):
+        backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
+        for index, record in enumerate(recorded):
+            backprop, backprops[index] = backprops[index], None  # freed once used
             rows = record.activations[-1].shape[0]  # loss_reduction="mean": a row's gradient is rows x its share
             sampler = self._samplers[record.layer]
             for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
