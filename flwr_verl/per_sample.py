@@ -7,9 +7,10 @@ generation and the no-grad log-prob passes included, and every backward then run
 inputs and outputs through identity autograd nodes. Here, instead, the trainable layers are
 hooked only inside ``PerSampleGradients.recording()``, which the update wraps around its own
 forward passes. A recorded forward keeps each layer's input (what Opacus calls its activations)
-and its output; ``backward(loss)`` asks autograd for the loss's gradient at those outputs alone
-(Opacus's backprops), which also skips the batch gradient of every trainable weight: DP-SGD
-replaces it with the clipped, noised sum of the per-sample gradients anyway.
+and where its output enters the autograd graph; ``backward(loss)`` asks autograd for the loss's
+gradient at those outputs alone (Opacus's backprops), which also skips the batch gradient of
+every trainable weight: DP-SGD replaces it with the clipped, noised sum of the per-sample
+gradients anyway.
 
 The per-sample gradients themselves are Opacus's: each layer's grad sampler
 (``GradSampleHooks.GRAD_SAMPLERS``, or functorch for ``grad_sample_mode="functorch"`` and for
