@@ -10,18 +10,26 @@ same batch is timed with and without DP, side by side, alternating the order eve
   as ``LocalPPOTrainer.fit`` does. Attaching and detaching Opacus are outside the timed span:
   they happen once per fit, not once per update.
 
-The figure is the median over repeats of (DP update time / non-DP update time) measured in the
-same repeat. Peak memory is the rise of the process's peak resident set (VmHWM, reset through
+The whole iteration (rollout, reward, log-probs, advantages, update) is timed the same way, each
+variant on the same prompts (the first ``train_batch_size``, instead of its own draw) and the
+same rollout seed, so a DP iteration also pays whatever Opacus costs outside the update (its
+hooks on generation and no-grad passes, if any).
+
+The figures are medians over repeats of (DP time / non-DP time) measured in the same repeat,
+with their interquartile range and full range. ``--clock cpu`` times with the thread's CPU time
+(``time.thread_time``) instead of wall time: on a machine shared with other jobs it leaves out
+the time the benchmark waits for a core. Peak memory is the rise of the process's peak resident set (VmHWM, reset through
 /proc/self/clear_refs) over one update, each variant in a fresh process (after a warm-up update,
 median of 3, large blocks returned to the OS on free) so that RSS follows live memory.
 
-    python benchmarks/dp_overhead.py [--repeats 20] [--out benchmarks/results/dp_overhead.json]
+    python benchmarks/dp_overhead.py [--repeats 20] [--clock cpu] [--out benchmarks/results/dp_overhead.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -37,11 +45,13 @@ warnings.filterwarnings("ignore")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("none", "hooks", "functorch")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = CLOCKS["wall"]
 
 
 def setup(seed: int = 0):
-    """One trainer per variant on the default config (sharing one model), and one rolled-out batch
-    of exactly train_batch_size prompts."""
+    """One trainer per variant on the default config (sharing one model), one rolled-out batch of
+    exactly train_batch_size prompts, and the prompts every variant's timed iteration draws."""
     import dataclasses
 
     import torch
@@ -52,8 +62,8 @@ def setup(seed: int = 0):
 
     config = engine_config(privacy={"deterministic": True})
     rows = task_rows(config.data.task, config.data.train_size, seed=seed, split="train")
-    # Roll out with a non-private twin (its loader draws exactly train_batch_size prompts), keep
-    # the batch its update would get, and the time the other phases of an iteration take.
+    # Roll out with a non-private twin (its loader draws exactly train_batch_size prompts) and keep
+    # the batch its update would get.
     twin = LocalPPOTrainer(dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, enabled=False)),
                            rows)
     captured = {}
@@ -63,9 +73,7 @@ def setup(seed: int = 0):
         return {}
 
     twin._update = capture
-    phases = ("time_rollout", "time_reward", "time_log_prob", "time_advantage")
-    metrics = twin.fit(4, seed=seed).metrics[1:]  # the first iteration pays one-time costs
-    other_phases = statistics.median(sum(m[k] for k in phases) for m in metrics)
+    twin.fit(1, seed=seed)
     trainers = {"none": LocalPPOTrainer(twin.config, rows, models=twin.models)}
     for mode in VARIANTS[1:]:
         private = dataclasses.replace(config.privacy, grad_sample_mode=mode)
@@ -78,7 +86,7 @@ def setup(seed: int = 0):
         "mu": FederationConfig().proximal_mu,
         "batch": captured["batch"],
         "num_units": captured["num_units"],
-        "other_phases_seconds": other_phases,
+        "prompts": list(range(config.data.train_batch_size)),
         "torch": torch,
     }
 
@@ -99,9 +107,26 @@ def started_fit(state: dict, variant: str):
 
 def timed_update(state: dict, variant: str) -> float:
     with started_fit(state, variant) as (trainer, fit):
-        start = time.perf_counter()
+        start = clock()
         trainer._update(fit, state["batch"], num_units=state["num_units"])
-        return time.perf_counter() - start
+        return clock() - start
+
+
+def timed_iteration(state: dict, variant: str, seed: int) -> float:
+    """One whole iteration of a started fit of ``variant`` on ``state["prompts"]``, rollout seeded."""
+    with started_fit(state, variant) as (trainer, fit):
+        fit.batches = itertools.repeat(state["prompts"])
+        state["torch"].manual_seed(seed)
+        start = clock()
+        trainer.iteration(fit)
+        return clock() - start
+
+
+def ratio_stats(dp: list[float], plain: list[float]) -> dict:
+    """Median, interquartile range and range of the per-repeat ratios dp / plain."""
+    ratios = sorted(d / n for d, n in zip(dp, plain))
+    return {"median": statistics.median(ratios), "quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
+            "range": [ratios[0], ratios[-1]]}
 
 
 def _kib(field: str) -> int:
@@ -150,23 +175,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["hooks", "functorch"], choices=["hooks", "functorch"])
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     parser.add_argument("--out", type=Path, default=RESULTS / "dp_overhead.json")
     parser.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(args.memory_child)
         return
+    global clock
+    clock = CLOCKS[args.clock]
 
     state = setup()
     trainer = state["trainers"]["none"]
     variants = ["none", *args.modes]
     times = {v: [] for v in variants}
+    iteration_times = {v: [] for v in variants}
     for repeat in range(args.warmup + args.repeats):
         shift = repeat % len(variants)  # rotate the order: no variant always runs first
         for variant in variants[shift:] + variants[:shift]:
-            seconds = timed_update(state, variant)
+            update_seconds = timed_update(state, variant)
+            iteration_seconds = timed_iteration(state, variant, seed=repeat)
             if repeat >= args.warmup:
-                times[variant].append(seconds)
+                times[variant].append(update_seconds)
+                iteration_times[variant].append(iteration_seconds)
 
     result = {
         "setup": {
@@ -177,39 +208,33 @@ def main() -> None:
             "ppo_epochs": trainer.config.actor.ppo_epochs,
             "sequence_length": int(state["batch"].batch["input_ids"].shape[1]),
             "noise_multiplier": trainer.config.privacy.noise_multiplier, "proximal_mu": state["mu"],
-            "torch_threads": state["torch"].get_num_threads(), "repeats": args.repeats,
+            "torch_threads": state["torch"].get_num_threads(), "repeats": args.repeats, "clock": args.clock,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
         },
         "update_seconds_median": {v: statistics.median(t) for v, t in times.items()},
-        "ratio_median": {}, "ratio_quartiles": {},
-    }
-    for mode in args.modes:
-        ratios = sorted(d / n for d, n in zip(times[mode], times["none"]))
-        result["ratio_median"][mode] = statistics.median(ratios)
-        result["ratio_quartiles"][mode] = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
-    # The rest of an RL iteration (rollout, reward, log-probs, advantages) is the same with and
-    # without DP: the DP cost of a whole iteration, for context.
-    rest = state["other_phases_seconds"]
-    result["other_phases_seconds_median"] = rest
-    result["iteration_ratio_median"] = {
-        mode: (rest + result["update_seconds_median"][mode]) / (rest + result["update_seconds_median"]["none"])
-        for mode in args.modes
+        "iteration_seconds_median": {v: statistics.median(t) for v, t in iteration_times.items()},
+        "update_ratio": {mode: ratio_stats(times[mode], times["none"]) for mode in args.modes},
+        "iteration_ratio": {mode: ratio_stats(iteration_times[mode], iteration_times["none"]) for mode in args.modes},
     }
     if not args.no_memory:
         result["peak_memory"] = measure_memory(variants)
 
-    print(f"update on {result['setup']['prompts']} prompts x {result['setup']['responses_per_prompt']} responses, "
-          f"{result['setup']['trainable_params']} LoRA parameters, median of {args.repeats} repeats:")
+    def ratio(stats: dict) -> str:
+        return (f"{stats['median']:.2f}x (IQR {stats['quartiles'][0]:.2f}-{stats['quartiles'][1]:.2f}, "
+                f"range {stats['range'][0]:.2f}-{stats['range'][1]:.2f})")
+
+    print(f"{result['setup']['prompts']} prompts x {result['setup']['responses_per_prompt']} responses, "
+          f"{result['setup']['trainable_params']} LoRA parameters, {args.clock} clock, median of {args.repeats} repeats:")
     for variant in variants:
-        line = f"  {variant:10s} {1000 * result['update_seconds_median'][variant]:8.1f} ms"
+        line = (f"  {variant:10s} update {1000 * result['update_seconds_median'][variant]:7.1f} ms, "
+                f"iteration {1000 * result['iteration_seconds_median'][variant]:7.1f} ms")
         if variant != "none":
-            q1, q3 = result["ratio_quartiles"][variant]
-            line += f"   DP/non-DP {result['ratio_median'][variant]:.2f}x (IQR {q1:.2f}-{q3:.2f})"
+            line += (f"\n    DP/non-DP update {ratio(result['update_ratio'][variant])}"
+                     f"\n    DP/non-DP iteration {ratio(result['iteration_ratio'][variant])}")
         if "peak_memory" in result and variant in result["peak_memory"]:
-            line += f"   peak RSS rise {result['peak_memory'][variant]['peak_rise_mib']:.1f} MiB"
+            line += f"\n    peak RSS rise over an update {result['peak_memory'][variant]['peak_rise_mib']:.1f} MiB"
         print(line)
-    print(f"  rest of an iteration (rollout, reward, log-probs, advantages): {1000 * rest:.1f} ms; whole iteration "
-          + ", ".join(f"{mode} {result['iteration_ratio_median'][mode]:.2f}x" for mode in args.modes))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

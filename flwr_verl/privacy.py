@@ -1,9 +1,12 @@
 """DP-SGD for the local PPO update, through Opacus, with deliberate accounting.
 
 ``make_private`` is the one call that adds privacy to a fit: like Opacus's
-``PrivacyEngine.make_private`` (which it calls) it takes the policy, its optimizer and the
-prompt set, and returns a ``PrivateUpdate``: the DP optimizer, a Poisson sampler over prompts,
-and the mini-batch split. ``PrivacyAccount`` owns what was spent and serialises it.
+``PrivacyEngine.make_private`` it takes the policy, its optimizer and the prompt set, and
+returns a ``PrivateUpdate``: Opacus's DP optimizer, Opacus's Poisson sampler over prompts, the
+mini-batch split, and Opacus's per-sample gradients computed only for the update's own forward
+passes (``per_sample.PerSampleGradients``: ``PrivacyEngine.make_private`` would hook every
+forward of the policy, generation included). ``PrivacyAccount`` owns what was spent and
+serialises it.
 
 **Privacy unit.** One prompt with everything generated from it: its ``n`` responses, their
 rewards, advantages and the KL terms. Opacus computes one gradient per response row; the rows of
@@ -32,7 +35,7 @@ import json
 import math
 import secrets
 import sys
-import warnings
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,10 +51,7 @@ PRIVACY_UNIT = "prompt"  # one prompt with everything generated from it (the led
 if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
-# Opacus warns that its secure RNG is off (we document what our seeding means instead), and
-# torch that backward hooks fire with no input requiring grad (true for frozen embeddings).
-warnings.filterwarnings("ignore", message="Secure RNG turned off")
-warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    from flwr_verl.per_sample import PerSampleGradients
 
 
 def sample_rate(batch_size: int, num_prompts: int) -> float:
@@ -305,9 +305,11 @@ def unit_means(values: torch.Tensor, unit_of_row: torch.Tensor, num_units: int) 
 class PrivateUpdate:
     """The DP-SGD update of one fit: what ``make_private`` returns.
 
-    ``split`` assigns sampled units to mini-batches; ``step`` takes one mini-batch's DP step
-    (pool per prompt, clip, noise, FedProx's data-independent term, optimizer step);
-    ``noise_only_step`` takes the step of an empty mini-batch; ``close`` detaches Opacus.
+    ``split`` assigns sampled units to mini-batches; the update's forward passes run inside
+    ``recording()``, and ``backward(loss)`` computes each row's gradient from them; ``step``
+    takes one mini-batch's DP step (pool per prompt, clip, noise, FedProx's data-independent
+    term, optimizer step); ``noise_only_step`` takes the step of an empty mini-batch; ``close``
+    detaches Opacus.
     """
 
     optimizer: DPOptimizer
@@ -317,7 +319,7 @@ class PrivateUpdate:
     rows_per_unit: int
     num_mini_batches: int
     rng: np.random.Generator
-    _hooks: object = field(repr=False)
+    per_sample: PerSampleGradients = field(repr=False)
 
     def split(self, unit_count: int) -> list[np.ndarray]:
         """Each unit to one of the mini-batches, independently and uniformly (see the module
@@ -325,10 +327,21 @@ class PrivateUpdate:
         assignment = self.rng.integers(self.num_mini_batches, size=unit_count)
         return [np.flatnonzero(assignment == batch) for batch in range(self.num_mini_batches)]
 
+    def recording(self) -> AbstractContextManager[None]:
+        """A block whose training forward passes ``backward`` can differentiate per row."""
+        return self.per_sample.recording()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Per-row gradients (``grad_sample``) of the mini-batch's mean-over-rows ``loss``."""
+        self.per_sample.backward(loss)
+
     def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
-        """After ``loss.backward()`` on one mini-batch: one DP-SGD step. Rows are pooled into
+        """After ``backward(loss)`` on one mini-batch: one DP-SGD step. Rows are pooled into
         units by ``unit_of_row`` (ids 0..U-1) when given, else ``rows_per_unit`` adjacent rows
         at a time."""
+        if any(getattr(param, "grad_sample", None) is None for param in self.optimizer.params):
+            raise RuntimeError("PrivateUpdate.step: no per-sample gradients; run the forward pass inside "
+                               "update.recording() and call update.backward(loss), not loss.backward()")
         if unit_of_row is not None:
             pool_rows(self.optimizer.params, unit_of_row, int(unit_of_row.max()) + 1)
         else:
@@ -352,8 +365,11 @@ class PrivateUpdate:
         self.optimizer.zero_grad()
 
     def close(self) -> None:
-        """Detach Opacus from the model (a cached model gets hooks again at the next fit)."""
-        self._hooks.cleanup()
+        """Detach Opacus from the model: no per-sample gradient state stays on its weights."""
+        self.per_sample.close()
+        for param in self.optimizer.params:
+            for attr in ("grad_sample", "summed_grad"):
+                vars(param).pop(attr, None)
 
 
 def make_private(
@@ -377,35 +393,36 @@ def make_private(
     and benchmarks only: whoever knows the seed can subtract the noise. Without it all three
     come from the OS's entropy.
     """
-    from opacus import PrivacyEngine
     from opacus.data_loader import DPDataLoader
+    from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
+
+    from flwr_verl.per_sample import PerSampleGradients
 
     q = sample_rate(batch_size, num_prompts)  # validates q = batch_size / N before any work
     seed = secrets.randbits(63) if seed is None else seed
     device = next(policy.parameters()).device
-    prompt_indices = DataLoader(TensorDataset(torch.arange(num_prompts, device="cpu")), batch_size=batch_size)
-    hooks, dp_optimizer, _ = PrivacyEngine(accountant=config.accountant).make_private(
-        module=policy, optimizer=optimizer, data_loader=prompt_indices,
-        noise_generator=torch.Generator(device=device).manual_seed(seed + 1),
-        noise_multiplier=noise_multiplier, max_grad_norm=config.max_grad_norm,
-        poisson_sampling=True, grad_sample_mode=config.grad_sample_mode, wrap_model=False,
-        loss_reduction="mean",
-    )
-    # Opacus's own loader samples at 1 / ceil(N / batch_size), not at the q = batch_size / N that
-    # callers plan and account with, and stops after 1/q draws (a caller that cycles it replays
-    # the same draws, which voids the amplification by subsampling). Sample at exactly q, and
-    # without end: every draw is fresh.
-    sampler = DPDataLoader(prompt_indices.dataset, sample_rate=q, generator=torch.Generator().manual_seed(seed))
-    sampler.batch_sampler.steps = sys.maxsize
+    ModuleValidator.validate(policy, strict=True)  # what PrivacyEngine.make_private checks: no unsupported layer
     # Every mini-batch step averages over the expected number of units in it, a constant, so
-    # the average reveals nothing.
-    dp_optimizer.expected_batch_size = q * num_prompts / num_mini_batches
-    # Opacus's accounting hook would count each epoch as a fresh subsampled step; the
-    # caller's PrivacyAccount records IterationMechanism steps instead.
-    dp_optimizer.step_hook = None
+    # the average reveals nothing. No accounting hook on the optimizer: Opacus's would count
+    # each epoch as a fresh subsampled step; the caller's PrivacyAccount records
+    # IterationMechanism steps instead.
+    dp_optimizer = DPOptimizer(
+        optimizer, noise_multiplier=noise_multiplier, max_grad_norm=config.max_grad_norm,
+        expected_batch_size=q * num_prompts / num_mini_batches, loss_reduction="mean",
+        generator=torch.Generator(device=device).manual_seed(seed + 1),
+    )
+    # Sample at exactly q = batch_size / N, the rate callers plan and account with (Opacus's
+    # make_private samples at 1 / ceil(N / batch_size)), and without end: every draw is fresh
+    # (a loader that stops after 1/q draws and is cycled replays them, which voids the
+    # amplification by subsampling).
+    sampler = DPDataLoader(TensorDataset(torch.arange(num_prompts, device="cpu")), sample_rate=q,
+                           generator=torch.Generator().manual_seed(seed))
+    sampler.batch_sampler.steps = sys.maxsize
     return PrivateUpdate(
         optimizer=dp_optimizer, sampler=sampler,
         mechanism=IterationMechanism(noise_multiplier, sampler.sample_rate, ppo_epochs),
         proximal=proximal or Proximal.none(), rows_per_unit=rows_per_unit, num_mini_batches=num_mini_batches,
-        rng=np.random.default_rng(seed + 2), _hooks=hooks,
+        rng=np.random.default_rng(seed + 2),
+        per_sample=PerSampleGradients(policy, functorch=config.grad_sample_mode == "functorch"),
     )

@@ -107,16 +107,17 @@ class UnitTrainer(abc.ABC):
             return {"prompts": 0.0}
         totals: dict[str, list[float]] = defaultdict(list)
         self.model.train()
-        for _ in range(self.config.actor.ppo_epochs):
-            for members in fit.update.split(len(units)):
-                if len(members) == 0:
-                    fit.update.noise_only_step()
-                    continue
-                step = self.unit_loss([units[i] for i in members])
-                step.loss.backward()
-                fit.update.step(step.unit_of_row)
-                for name, value in step.metrics.items():
-                    totals[name].append(value)
+        with fit.update.recording():  # under DP, only these forward passes feed per-sample gradients
+            for _ in range(self.config.actor.ppo_epochs):
+                for members in fit.update.split(len(units)):
+                    if len(members) == 0:
+                        fit.update.noise_only_step()
+                        continue
+                    step = self.unit_loss([units[i] for i in members])
+                    fit.update.backward(step.loss)
+                    fit.update.step(step.unit_of_row)
+                    for name, value in step.metrics.items():
+                        totals[name].append(value)
         self.model.eval()
         return {"prompts": float(len(units)), **{k: float(np.mean(v)) for k, v in totals.items()},
                 "time_update": time.perf_counter() - start}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -75,6 +75,13 @@ class PlainUpdate:
     def split(self, unit_count: int) -> list[np.ndarray]:
         """A random split of the units into equal mini-batches."""
         return np.array_split(self.rng.permutation(unit_count), self.num_mini_batches)
+
+    def recording(self) -> AbstractContextManager[None]:
+        """Nothing to record: the plain update needs only the batch gradient."""
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
         """One step on the mini-batch gradient (``unit_of_row`` matters only under DP)."""
@@ -351,18 +358,19 @@ class LocalPPOTrainer:
         n = self.config.rollout.n
         totals: dict[str, list[float]] = defaultdict(list)
         self.policy.train()
-        for _ in range(self.config.actor.ppo_epochs):
-            for units in fit.update.split(num_units):
-                if len(units) == 0:  # an empty mini-batch of a small draw: under DP still a (noise) step
-                    fit.update.noise_only_step()
-                    continue
-                rows = (units[:, None] * n + np.arange(n)).reshape(-1)  # each unit's n adjacent rows
-                mini_batch = batch.select_idxs(np.sort(rows))
-                for key, value in self._actor_step(fit.update, mini_batch).items():
-                    totals[key].append(value)
-                if fit.critic_optimizer is not None:
-                    for key, value in self._critic_step(fit.critic_optimizer, mini_batch).items():
+        with fit.update.recording():  # under DP, only these forward passes feed per-sample gradients
+            for _ in range(self.config.actor.ppo_epochs):
+                for units in fit.update.split(num_units):
+                    if len(units) == 0:  # an empty mini-batch of a small draw: under DP still a (noise) step
+                        fit.update.noise_only_step()
+                        continue
+                    rows = (units[:, None] * n + np.arange(n)).reshape(-1)  # each unit's n adjacent rows
+                    mini_batch = batch.select_idxs(np.sort(rows))
+                    for key, value in self._actor_step(fit.update, mini_batch).items():
                         totals[key].append(value)
+                    if fit.critic_optimizer is not None:
+                        for key, value in self._critic_step(fit.critic_optimizer, mini_batch).items():
+                            totals[key].append(value)
         self.policy.eval()
         return {key: float(np.mean(values)) for key, values in totals.items()}
 
@@ -381,7 +389,7 @@ class LocalPPOTrainer:
         if actor.use_kl_loss:
             kld = core_algos.kl_penalty(log_prob, mb.batch["ref_log_prob"], actor.kl_loss_type)
             loss = loss + actor.kl_loss_coef * core_algos.agg_loss(kld, mask, actor.loss_agg_mode)
-        loss.backward()
+        update.backward(loss)
         step_metrics = update.step()
         if self.log_prob_passes.reference:  # the rollout policy's KL to the reference, at no extra cost
             kl = core_algos.kl_penalty(old_log_prob, mb.batch["ref_log_prob"], "low_var_kl")

@@ -7,6 +7,7 @@ get them restored afterwards, and every test checks that it left no Opacus hooks
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -139,9 +140,15 @@ def policy_loss(policy, data) -> torch.Tensor:
                                "seq-mean-token-mean")
 
 
+def per_row_backward(private: PrivateUpdate, policy, batch) -> None:
+    """The trainer's forward pass inside the update's recording, then its per-row backward."""
+    with private.recording():
+        private.backward(policy_loss(policy, batch))
+
+
 def dp_step(private: PrivateUpdate, policy, batch) -> None:
     """One DP-SGD step as the trainer takes it: backward, then pool per prompt, clip, noise, step."""
-    policy_loss(policy, batch).backward()
+    per_row_backward(private, policy, batch)
     private.step()
 
 
@@ -201,14 +208,14 @@ def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode):
     params = trainable(policy)
     private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, mode=mode)
     try:
-        policy_loss(policy, batch).backward()
+        per_row_backward(private, policy, batch)
         assert all(p.grad_sample.shape[0] == G * N_RESPONSES for p in private.optimizer.params)
         pool_units(private.optimizer.params, N_RESPONSES)
         pooled = [p.grad_sample.detach().clone() for p in params]
-        batch_grad = [p.grad.detach().clone() for p in params]
         private.optimizer.zero_grad()
     finally:
         private.close()
+    batch_grad = torch.autograd.grad(policy_loss(policy, batch), params)
     assert all(g.shape == (G, *p.shape) for g, p in zip(pooled, params))
 
     alone = unit_gradients_alone(policy, batch)
@@ -220,6 +227,87 @@ def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode):
     torch.testing.assert_close(flat(g.mean(0) for g in pooled), flat(batch_grad), rtol=1e-4, atol=1e-6)
     # Units differ: pooling did not just broadcast one gradient.
     assert (flat(alone[0]) - flat(alone[1])).norm() > 1e-3
+
+
+def opacus_hooks_grad_samples(policy, batch, mode: str) -> list[torch.Tensor]:
+    """The reference: per-row gradients from Opacus's own hooks (what ``PrivacyEngine.make_private``
+    attaches), through a plain ``loss.backward()``."""
+    from opacus.grad_sample import GradSampleHooks
+
+    policy.train()
+    hooks = GradSampleHooks(policy, loss_reduction="mean", force_functorch=mode == "functorch")
+    try:
+        policy_loss(policy, batch).backward()
+        return [p.grad_sample.detach().clone() for p in trainable(policy)]
+    finally:
+        hooks.cleanup()
+        clear_gradients(policy)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_per_row_gradients_are_bit_identical_to_opacus_hooks(models, batch, mode):
+    policy = models.policy
+    params = trainable(policy)
+    reference = opacus_hooks_grad_samples(policy, batch, mode)
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, mode=mode)
+    try:
+        per_row_backward(private, policy, batch)
+        got = [p.grad_sample.detach().clone() for p in params]
+        assert all(p.grad is None for p in params), "the weights' batch gradient is computed and thrown away"
+        private.optimizer.zero_grad()
+    finally:
+        private.close()
+    assert len(got) == len(reference) == len(params) and all(r.abs().max() > 0 for r in reference)
+    mismatched = [i for i, (g, r) in enumerate(zip(got, reference)) if not torch.equal(g, r)]
+    assert not mismatched, f"per-row gradients differ from Opacus's hooks for {len(mismatched)} weights"
+
+
+def test_passes_outside_the_update_run_unhooked_and_record_nothing(models, batch, rows):
+    """While a private update is open, generation and no-grad passes give exactly what they give
+    without DP and leave nothing behind; inside its recording only the training forward counts."""
+    policy = models.policy
+    params = trainable(policy)
+    config = engine_config()
+
+    def no_grad_log_probs():
+        with torch.no_grad():
+            return policy(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                          position_ids=batch.batch["position_ids"]).logits
+
+    def rollout():
+        torch.manual_seed(3)
+        return generate(policy, models.tokenizer, rows[:2], config.rollout, config.data.max_prompt_length,
+                        n=2).batch["responses"]
+
+    policy.eval()
+    without_dp = (rollout(), no_grad_log_probs())
+    private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0)
+    try:
+        per_row_backward(private, policy, batch)
+        alone = [p.grad_sample.detach().clone() for p in params]
+        private.optimizer.zero_grad()
+        policy.eval()
+        under_dp = (rollout(), no_grad_log_probs())
+        policy.train()
+        with private.recording():
+            no_grad_log_probs()  # a no-grad pass inside the recording records nothing
+            with pytest.raises(RuntimeError, match="no training forward pass was recorded"):
+                private.backward(torch.zeros((), requires_grad=True))
+            loss = policy_loss(policy, batch)
+            no_grad_log_probs()  # nor between the training forward and its backward
+            private.backward(loss)
+        interleaved = [p.grad_sample.detach().clone() for p in params]
+        private.optimizer.zero_grad()
+        policy.train()
+        policy_loss(policy, batch).backward()  # outside the recording: a plain backward
+        assert all(getattr(p, "grad_sample", None) is None for p in params)
+        with pytest.raises(RuntimeError, match=r"update.backward\(loss\)"):
+            private.step()
+    finally:
+        clear_gradients(policy)
+        private.close()
+    assert torch.equal(under_dp[0], without_dp[0]) and torch.equal(under_dp[1], without_dp[1])
+    assert all(torch.equal(a, b) for a, b in zip(interleaved, alone))
 
 
 # ----------------------------------------------------------------------------- clipping
@@ -323,6 +411,40 @@ def test_lora_weights_change_under_dp(models, rows):
     assert not unchanged, f"LoRA weights did not change under DP-SGD: {unchanged}"
     assert result.mechanism == IterationMechanism(0.0, 8 / 64, 1) and result.iterations == 2
     assert not per_sample_hooks_attached(models.policy), "fit left Opacus hooks attached"
+
+
+def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypatch):
+    """A short seeded DP fit (2 iterations of 2 mini-batches, noise on) ends at the same weights,
+    bit for bit, as the same fit with Opacus's hooks on the policy throughout (the path before
+    per-sample gradients were recorded only in the update)."""
+    from opacus.grad_sample import GradSampleHooks
+
+    from flwr_verl.per_sample import PerSampleGradients
+
+    params = trainable(models.policy)
+    start = [p.detach().clone() for p in params]
+
+    def fit() -> tuple[list[torch.Tensor], list[dict[str, float]]]:
+        with torch.no_grad():
+            for param, value in zip(params, start):
+                param.copy_(value)
+        result = LocalPPOTrainer(small_config(), rows, models=models).fit(2, seed=4)
+        return [p.detach().clone() for p in params], result.metrics
+
+    weights, metrics = fit()
+    with monkeypatch.context() as patch:
+        hooks = GradSampleHooks(models.policy, loss_reduction="mean")
+        patch.setattr(PerSampleGradients, "recording", lambda self: contextlib.nullcontext())
+        patch.setattr(PerSampleGradients, "backward", lambda self, loss: loss.backward())
+        try:
+            reference_weights, reference_metrics = fit()
+        finally:
+            hooks.cleanup()
+    assert any(not torch.equal(w, s) for w, s in zip(weights, start))
+    assert all(torch.equal(w, r) for w, r in zip(weights, reference_weights))
+    timings = {key for m in metrics for key in m if key.startswith("time_")}
+    assert ([{k: v for k, v in m.items() if k not in timings} for m in metrics]
+            == [{k: v for k, v in m.items() if k not in timings} for m in reference_metrics])
 
 
 def test_fit_records_multi_epoch_iterations_at_sigma_over_sqrt_k(models, rows):

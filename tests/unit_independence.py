@@ -20,8 +20,9 @@ def assert_units_are_independent(trainer, units: list) -> None:
     private = make_private(model, torch.optim.SGD(params, lr=0.0), 8, PrivacyConfig(), batch_size=4,
                            num_mini_batches=1, rows_per_unit=1, noise_multiplier=1.0, seed=0)
     try:
-        step = trainer.unit_loss(units)
-        step.loss.backward()
+        with private.recording():
+            step = trainer.unit_loss(units)
+            private.backward(step.loss)
         pool_rows(private.optimizer.params, step.unit_of_row, len(units))
         for index, grads in enumerate(expected):
             for param, grad in zip(params, grads):

@@ -1,0 +1,119 @@
+"""Opacus's per-sample gradients, computed only for the forward passes of the DP update.
+
+Opacus's ``GradSampleHooks`` (what ``PrivacyEngine.make_private`` attaches) put a forward and a
+full backward hook on every trainable layer for as long as the model is private. With LoRA on
+every linear layer that is dozens of hooks that every forward of the policy goes through,
+generation and the no-grad log-prob passes included, and every backward then runs each layer's
+inputs and outputs through identity autograd nodes. Here, instead, the trainable layers are
+hooked only inside ``PerSampleGradients.recording()``, which the update wraps around its own
+forward passes. A recorded forward keeps each layer's input (what Opacus calls its activations)
+and where its output enters the autograd graph; ``backward(loss)`` asks autograd for the loss's
+gradient at those outputs alone (Opacus's backprops), which also skips the batch gradient of
+every trainable weight: DP-SGD replaces it with the clipped, noised sum of the per-sample
+gradients anyway.
+
+The per-sample gradients themselves are Opacus's: each layer's grad sampler
+(``GradSampleHooks.GRAD_SAMPLERS``, or functorch for ``grad_sample_mode="functorch"`` and for
+layer types without one), fed the same activations and backprops scaled as for
+``loss_reduction="mean"``. They are the values Opacus's hooks give, bit for bit
+(``tests/test_privacy.py`` checks it). Clipping, noise and the optimizer step stay Opacus's
+``DPOptimizer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
+from opacus.utils.module_utils import has_trainable_params
+
+
+@dataclass
+class _RecordedForward:
+    """One trainable layer's part of a recorded forward pass."""
+
+    layer: torch.nn.Module
+    activations: list[torch.Tensor]  # the layer's inputs, detached; batch first
+    output: torch.autograd.graph.GradientEdge  # where the layer's output enters the graph (not the tensor:
+    # holding it would keep every layer's output alive until the backward)
+
+
+def sampled_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The layers that get per-sample gradients, chosen as Opacus chooses them: every module that
+    owns a trainable parameter; one without a registered grad sampler is handled whole by
+    functorch, its submodules included."""
+    if has_trainable_params(model):
+        yield model
+        if type(model) not in GradSampleHooks.GRAD_SAMPLERS:
+            return
+    for child in model.children():
+        yield from sampled_layers(child)
+
+
+class PerSampleGradients:
+    """Per-sample gradients of ``model``'s trainable weights for the forward passes run inside
+    ``recording()``: after ``backward(loss)`` each weight has ``grad_sample`` (batch, *shape),
+    where ``loss`` is the mean over the batch's rows (Opacus's ``loss_reduction="mean"``).
+
+    Outside ``recording()`` the model carries no hook at all. Inside it, only forwards that build
+    a graph in training mode are recorded (as Opacus's hooks do): a no-grad pass records nothing.
+    ``close()`` removes what functorch attached to the layers.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, functorch: bool = False) -> None:
+        self.layers = list(sampled_layers(model))
+        self._samplers = {layer: self._sampler(layer, functorch) for layer in self.layers}
+        self._recorded: list[_RecordedForward] = []
+
+    @staticmethod
+    def _sampler(layer: torch.nn.Module, functorch: bool):
+        """Opacus's choice of per-sample gradient function for ``layer``."""
+        registered = GradSampleHooks.GRAD_SAMPLERS.get(type(layer))
+        if registered is not None and not functorch:
+            return registered
+        prepare_layer(layer, batch_first=True)  # attaches layer.ft_compute_sample_grad
+        return ft_compute_per_sample_gradient
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the training forward passes run inside the block; nothing is hooked outside it."""
+        handles = [layer.register_forward_hook(self._record) for layer in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._recorded.clear()
+
+    def _record(self, layer: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if layer.training and torch.is_grad_enabled():
+            self._recorded.append(_RecordedForward(layer, [t.detach() for t in inputs],
+                                                   torch.autograd.graph.get_gradient_edge(output)))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Set ``grad_sample`` on every trainable weight from one recorded forward pass and its
+        mean-over-rows ``loss``; the weights' batch gradients (``.grad``) are not computed."""
+        recorded, self._recorded = self._recorded, []
+        if not recorded:
+            raise RuntimeError("PerSampleGradients.backward: no training forward pass was recorded; run the "
+                               "forward pass inside recording(), with gradients enabled and the model in train mode")
+        if len({id(record.layer) for record in recorded}) < len(recorded):
+            raise RuntimeError("PerSampleGradients.backward: a layer ran more than once since the last backward; "
+                               "take one backward per forward pass")
+        backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
+        for index, record in enumerate(recorded):
+            backprop, backprops[index] = backprops[index], None  # freed once used
+            rows = record.activations[-1].shape[0]  # loss_reduction="mean": a row's gradient is rows x its share
+            sampler = self._samplers[record.layer]
+            for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
+                param.grad_sample = sample
+
+    def close(self) -> None:
+        """Detach what functorch attached to the layers (nothing in the default mode)."""
+        for layer in self.layers:
+            if hasattr(layer, "ft_compute_sample_grad"):
+                del layer.ft_compute_sample_grad
