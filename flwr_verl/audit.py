@@ -139,19 +139,24 @@ class AuditResult:
                           for k, v in dataclasses.asdict(self).items()}}
 
 
-def make_canaries(count: int, rng: np.random.Generator) -> list[Row]:
-    """``count`` unique canary prompts, each with a secret one-digit answer (module docstring)."""
-    seen: set[str] = set()
-    rows = []
-    while len(rows) < count:
-        text = "-".join(str(x) for x in rng.integers(10, 100, size=3)) + "="
-        if text in seen:
-            continue
-        seen.add(text)
-        rows.append({"data_source": CANARY_SOURCE, "prompt": [{"role": "user", "content": text}],
-                     "reward_model": {"ground_truth": SECRETS[rng.integers(len(SECRETS))]},
-                     "extra_info": {"canary": len(rows)}})
-    return rows
+def make_canary_prompts(count: int, rng: np.random.Generator) -> list[str]:
+    """``count`` distinct canary prompts ``<x>-<y>-<z>=``: a format that no task row has."""
+    prompts: dict[str, None] = {}
+    while len(prompts) < count:
+        prompts["-".join(str(x) for x in rng.integers(10, 100, size=3)) + "="] = None
+    return list(prompts)
+
+
+def make_canaries(prompts: list[str], initial: np.ndarray, rng: np.random.Generator) -> list[Row]:
+    """One canary per prompt: its secret is, by a fair coin, one of the two answers the initial
+    policy finds likeliest on that prompt, and the other is its ``alternative`` (module docstring).
+    ``initial``: log p(answer | prompt) under the initial adapter, (len(prompts), len(SECRETS))."""
+    top_two = np.argsort(-initial, axis=1, kind="stable")[:, :2]
+    coins = rng.integers(2, size=len(prompts))
+    return [{"data_source": CANARY_SOURCE, "prompt": [{"role": "user", "content": text}],
+             "reward_model": {"ground_truth": SECRETS[pair[coin]]},
+             "extra_info": {"canary": index, "alternative": SECRETS[pair[1 - coin]]}}
+            for index, (text, pair, coin) in enumerate(zip(prompts, top_two, coins))]
 
 
 def with_canary_reward(compute_score):
@@ -166,14 +171,15 @@ def with_canary_reward(compute_score):
 
 
 @torch.no_grad()
-def answer_log_probs(policy, tokenizer, canaries: list[Row]) -> np.ndarray:
-    """log p(answer | canary prompt) under ``policy``'s current adapter, for every canary and
-    every possible secret: (m, len(SECRETS))."""
+def answer_log_probs(policy, tokenizer, prompts: list[str]) -> np.ndarray:
+    """log p(answer | canary prompt) under ``policy``'s current adapter, for every prompt and
+    every possible secret: (len(prompts), len(SECRETS))."""
     policy.eval()
     device = next(policy.parameters()).device
     answers = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in SECRETS]
-    out = np.zeros((len(canaries), len(SECRETS)))
-    for i, row in enumerate(canaries):
+    out = np.zeros((len(prompts), len(SECRETS)))
+    for i, text in enumerate(prompts):
+        row = {"prompt": [{"role": "user", "content": text}]}
         prompt = tokenizer(prompt_text(row, tokenizer), add_special_tokens=False)["input_ids"]
         for j, answer in enumerate(answers):
             ids = torch.tensor([prompt + answer], device=device)
@@ -183,16 +189,16 @@ def answer_log_probs(policy, tokenizer, canaries: list[Row]) -> np.ndarray:
 
 
 def score_canaries(before: np.ndarray, after: np.ndarray, canaries: list[Row]) -> np.ndarray:
-    """Black-box membership scores: how much more likely training made each canary's secret on
-    its own prompt than the same answer on the other canaries' prompts. The second term removes
-    what training on the member canaries taught about canary-like prompts in general (a digit
-    that many members share gets likelier after every dashed prompt), which would otherwise
-    lift a non-member whose secret is that digit."""
+    """Black-box membership scores: how much training raised the log-odds of each canary's
+    secret against its alternative, on its own prompt. A non-member's secret is a fair coin
+    between the two, independent of the trained model, so its score is as likely to be
+    negative as positive whatever training did to canary-like prompts in general; a member's
+    rollouts were rewarded for its secret only, which pushes its score up."""
     change = after - before  # (m, answers)
+    rows = np.arange(len(canaries))
     secret = np.array([SECRETS.index(row["reward_model"]["ground_truth"]) for row in canaries])
-    own = change[np.arange(len(canaries)), secret]
-    others = (change[:, secret].sum(0) - own) / max(len(canaries) - 1, 1)
-    return own - others
+    alternative = np.array([SECRETS.index(row["extra_info"]["alternative"]) for row in canaries])
+    return change[rows, secret] - change[rows, alternative]
 
 
 def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
@@ -202,50 +208,66 @@ def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
     return int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
 
 
-def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditConfig, *, num_clients: int = 2,
-              models=None, log=print) -> AuditResult:
-    """Train the federation once with the canaries planted, and bound epsilon (module docstring)."""
+def train_planted(engine: EngineConfig, federation: FederationConfig, planted: list[Row], *, planted_client: int = 0,
+                  num_clients: int = 2, models=None, compute_score=None, log=print) -> tuple[list[np.ndarray], float]:
+    """Train the federation once, in one process, with ``planted`` rows added to partition
+    ``planted_client``'s training prompts: the same ``VerlClient``s, strategy and typed messages
+    as over Flower's wire (``inprocess.InProcessClients``), every client in every round, SecAgg+
+    off (it hides individual updates from the server, not what the released model learned).
+    Returns the final global adapter arrays and the epsilon the planted client reported
+    (infinity without DP)."""
     from flwr_verl.client import VerlClient, cached_models
     from flwr_verl.inprocess import InProcessClients, fit_round
     from flwr_verl.protocol import FitReport
-    from flwr_verl.rewards import resolve_compute_score
     from flwr_verl.strategy import FedProxAdapters
+
+    require(0 <= planted_client < num_clients, "audit.canary_client", planted_client,
+            f"must be a partition in [0, {num_clients})")
+    models = models or cached_models(engine)
+    clients = {}
+    for pid in range(num_clients):
+        rows = load_rows(engine.data, "train", engine.trainer.seed, pid, num_clients)
+        clients[str(pid)] = VerlClient(engine, rows + planted if pid == planted_client else rows, [], partition_id=pid,
+                                       models=models, compute_score=compute_score)
+    federation = dataclasses.replace(
+        federation, min_fit_clients=num_clients, min_available_clients=num_clients,
+        min_evaluate_clients=num_clients, fraction_fit=1.0,
+        secagg=dataclasses.replace(federation.secagg, enabled=False))
+    strategy = FedProxAdapters(federation, models.adapters.get_arrays(),
+                               local_iterations=engine.trainer.local_iterations)
+    manager = InProcessClients(clients)
+    claimed = math.inf
+    for server_round in range(1, federation.num_server_rounds + 1):
+        results, _ = fit_round(strategy, manager, server_round)
+        for proxy, res in results:
+            report = FitReport.from_metrics(res.metrics)
+            if proxy.cid == str(planted_client) and report.privacy is not None:
+                claimed = report.privacy.epsilon_total
+        log(f"round {server_round}/{federation.num_server_rounds} done")
+    return strategy.global_arrays, claimed
+
+
+def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditConfig, *, num_clients: int = 2,
+              models=None, log=print) -> AuditResult:
+    """Train the federation once with the canaries planted, and bound epsilon (module docstring)."""
+    from flwr_verl.client import cached_models
+    from flwr_verl.rewards import resolve_compute_score
 
     require(0 <= audit.canary_client < num_clients, "audit.canary_client", audit.canary_client,
             f"must be a partition in [0, {num_clients})")
     start = time.perf_counter()
     rng = np.random.default_rng(audit.seed)
-    canaries = make_canaries(audit.canaries, rng)
-    included = rng.random(audit.canaries) < 0.5
     models = models or cached_models(engine)
+    prompts = make_canary_prompts(audit.canaries, rng)
+    before = answer_log_probs(models.policy, models.tokenizer, prompts)
+    canaries = make_canaries(prompts, before, rng)
+    included = rng.random(audit.canaries) < 0.5
     score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
-    seed = engine.trainer.seed
-    clients = {}
-    for pid in range(num_clients):
-        rows = load_rows(engine.data, "train", seed, pid, num_clients)
-        if pid == audit.canary_client:
-            rows = rows + [c for c, member in zip(canaries, included) if member]
-        clients[str(pid)] = VerlClient(engine, rows, [], partition_id=pid, models=models, compute_score=score)
-    federation = dataclasses.replace(
-        federation, min_fit_clients=num_clients, min_available_clients=num_clients,
-        min_evaluate_clients=num_clients, fraction_fit=1.0,
-        secagg=dataclasses.replace(federation.secagg, enabled=False))
-    initial = models.adapters.get_arrays()
-    strategy = FedProxAdapters(federation, initial, local_iterations=engine.trainer.local_iterations)
-    manager = InProcessClients(clients)
-    claimed = math.inf if not engine.privacy.enabled else 0.0
-    for server_round in range(1, federation.num_server_rounds + 1):
-        results, _ = fit_round(strategy, manager, server_round)
-        for proxy, res in results:
-            report = FitReport.from_metrics(res.metrics)
-            if proxy.cid == str(audit.canary_client) and report.privacy is not None:
-                claimed = report.privacy.epsilon_total
-        log(f"audit: round {server_round}/{federation.num_server_rounds} done")
-    adapters = models.adapters
-    adapters.set_arrays(initial)
-    before = answer_log_probs(models.policy, models.tokenizer, canaries)
-    adapters.set_arrays(strategy.global_arrays)
-    after = answer_log_probs(models.policy, models.tokenizer, canaries)
+    final, claimed = train_planted(engine, federation, [c for c, member in zip(canaries, included) if member],
+                                   planted_client=audit.canary_client, num_clients=num_clients, models=models,
+                                   compute_score=score, log=lambda line: log(f"audit: {line}"))
+    models.adapters.set_arrays(final)
+    after = answer_log_probs(models.policy, models.tokenizer, prompts)
     correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
     delta = engine.privacy.delta if engine.privacy.enabled else 0.0
     bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
