@@ -151,7 +151,7 @@ def run_seed(args, seed: int) -> dict[str, list[dict]]:
             privacy=privacy, trainer={"seed": seed, "local_iterations": args.local_iterations},
             data={"train_size": args.train_size, "train_batch_size": args.batch_size, "val_size": 8},
             rollout={"n": args.n, "response_length": HALF + 1},
-            actor={"ppo_mini_batch_size": args.batch_size})
+            actor={"ppo_mini_batch_size": args.batch_size, "lr": args.lr})
 
     federation = dataclasses.replace(FederationConfig(), num_server_rounds=args.rounds)
     planted = secret_rows(args.secrets, args.copies, seed)
@@ -215,6 +215,7 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=16, help="task prompts per client, besides the secrets")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--lr", type=float, default=3e-3, help="actor.lr of every arm (the engine's default)")
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon of the dp arms")
     parser.add_argument("--samples", type=int, default=64, help="sampled responses per secret")
     parser.add_argument("--ngram", type=int, default=6)

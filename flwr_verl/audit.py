@@ -7,9 +7,8 @@ Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (Ne
 2. the federation trains once, as configured (in one process: ``inprocess.InProcessClients``,
    the same clients, strategy and typed messages as over Flower's wire; SecAgg+ only hides the
    individual updates from the server, it does not change the released model);
-3. every canary is scored black-box under the final global adapter: how much training raised the
-   log-probability of its secret on its own prompt, beyond what it raised that answer on the
-   other canaries' prompts (``score_canaries``);
+3. every canary is scored black-box under the final global adapter: how much training raised
+   the log-odds of its secret against its alternative on its own prompt (``score_canaries``);
 4. the k top-scored canaries are guessed members and the k bottom-scored non-members;
 5. the number v of correct guesses out of r = 2k gives an epsilon that the mechanism cannot have
    at 95% confidence (``epsilon_lower_bound``, the paper's Theorem 5.2 / its Algorithm for
@@ -17,15 +16,20 @@ Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (Ne
    e^eps / (1 + e^eps)) >= v] + 2 m delta alpha, with alpha from the binomial's lower tail.
 
 Why these canaries suit RL on prompts. A canary is a prompt that occurs nowhere else (digits and
-dashes, ``<x>-<y>-<z>=``) with a secret answer, one random digit, drawn independently of
-everything else; its reward is 1 when a response starts with that digit. So (a) the only way
-the model can learn a canary's secret is from the rewarded rollouts of that very prompt, and a
-non-member's secret is independent of the trained model: nothing in the rest of the data pulls
-its score either way; (b) a one-digit secret is sampled by the initial policy often enough that
-GRPO/RLOO see a reward difference within the prompt's group and the gradient is not zero (a long
-secret would never be sampled, and an RL update never sees a target it does not sample); (c) one
-canary is one privacy unit of the DP guarantee (a prompt with all its responses and rewards), so
-the bound speaks about exactly what epsilon claims to protect.
+dashes, ``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a response starts
+with it. The secret is drawn by a fair coin between the two answers the initial (public) policy
+finds likeliest on that prompt, and the other one is the canary's alternative
+(``make_canaries``). So (a) the only way the model can learn which of the two is the secret is
+from the rewarded rollouts of that very prompt; (b) both answers are sampled often by the initial
+policy, so GRPO/RLOO see a reward difference within the prompt's group and the gradient is not
+zero (an RL update never sees a target it does not sample: a random digit that the policy gives
+probability 0.001 is never learned, and a long secret never sampled at all); (c) a non-member's
+score, the change of log p(secret) - log p(alternative), is as likely to be negative as
+positive whatever training did to the prompt, because the coin that named the secret is
+independent of training: general drift (training that sharpens or flattens every canary-like
+prompt) adds noise but no bias toward "member"; (d) one canary is one privacy unit of the DP
+guarantee (a prompt with all its responses and rewards), so the bound speaks about exactly what
+epsilon claims to protect.
 
 Power is not shown yet. On the embedded model, in a configuration that trains in about a
 minute on an idle machine (2 clients, 3 rounds of 10 iterations, 40 canaries, 12 guesses), DP off
@@ -41,6 +45,7 @@ with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -258,6 +263,7 @@ def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditCo
     start = time.perf_counter()
     rng = np.random.default_rng(audit.seed)
     models = models or cached_models(engine)
+    initial = models.adapters.get_arrays()
     prompts = make_canary_prompts(audit.canaries, rng)
     before = answer_log_probs(models.policy, models.tokenizer, prompts)
     canaries = make_canaries(prompts, before, rng)
@@ -268,12 +274,36 @@ def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditCo
                                    compute_score=score, log=lambda line: log(f"audit: {line}"))
     models.adapters.set_arrays(final)
     after = answer_log_probs(models.policy, models.tokenizer, prompts)
+    models.adapters.set_arrays(initial)  # a cached model goes back as it came
     correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
     delta = engine.privacy.delta if engine.privacy.enabled else 0.0
     bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
     return AuditResult(canaries=audit.canaries, guesses=audit.guesses, correct=correct, confidence=audit.confidence,
                        delta=delta, epsilon_lower_bound=bound, epsilon_claimed=claimed, members=int(included.sum()),
                        seconds=time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def broken_mechanism():
+    """A deliberately broken DP mechanism, to check that the audit has power (never for training):
+    inside it, the trainer's DP optimizer clips at 1e6 and adds no noise, while the accountant
+    still records the configured noise multiplier, so the claimed epsilon is a lie that an audit
+    with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``)."""
+    from flwr_verl import trainer
+
+    real = trainer.make_private
+
+    def broken(*args, **kwargs):
+        update = real(*args, **kwargs)
+        update.optimizer.max_grad_norm = 1e6
+        update.optimizer.noise_multiplier = 0.0
+        return update
+
+    trainer.make_private = broken
+    try:
+        yield
+    finally:
+        trainer.make_private = real
 
 
 # ----------------------------------------------------------------------------- the command
