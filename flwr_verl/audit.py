@@ -7,9 +7,8 @@ Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (Ne
 2. the federation trains once, as configured (in one process: ``inprocess.InProcessClients``,
    the same clients, strategy and typed messages as over Flower's wire; SecAgg+ only hides the
    individual updates from the server, it does not change the released model);
-3. every canary is scored black-box under the final global adapter: how much training raised the
-   log-probability of its secret on its own prompt, beyond what it raised that answer on the
-   other canaries' prompts (``score_canaries``);
+3. every canary is scored black-box under the final global adapter: how much training raised
+   the log-odds of its secret against its alternative on its own prompt (``score_canaries``);
 4. the k top-scored canaries are guessed members and the k bottom-scored non-members;
 5. the number v of correct guesses out of r = 2k gives an epsilon that the mechanism cannot have
    at 95% confidence (``epsilon_lower_bound``, the paper's Theorem 5.2 / its Algorithm for
@@ -17,21 +16,33 @@ Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (Ne
    e^eps / (1 + e^eps)) >= v] + 2 m delta alpha, with alpha from the binomial's lower tail.
 
 Why these canaries suit RL on prompts. A canary is a prompt that occurs nowhere else (digits and
-dashes, ``<x>-<y>-<z>=``) with a secret answer, one random digit, drawn independently of
-everything else; its reward is 1 when a response starts with that digit. So (a) the only way
-the model can learn a canary's secret is from the rewarded rollouts of that very prompt, and a
-non-member's secret is independent of the trained model: nothing in the rest of the data pulls
-its score either way; (b) a one-digit secret is sampled by the initial policy often enough that
-GRPO/RLOO see a reward difference within the prompt's group and the gradient is not zero (a long
-secret would never be sampled, and an RL update never sees a target it does not sample); (c) one
-canary is one privacy unit of the DP guarantee (a prompt with all its responses and rewards), so
-the bound speaks about exactly what epsilon claims to protect.
+dashes, ``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a response starts
+with it. The secret is drawn by a fair coin between the two answers the initial (public) policy
+finds likeliest on that prompt, and the other one is the canary's alternative
+(``make_canaries``). So (a) the only way the model can learn which of the two is the secret is
+from the rewarded rollouts of that very prompt; (b) both answers are sampled often by the initial
+policy, so GRPO/RLOO see a reward difference within the prompt's group and the gradient is not
+zero (an RL update never sees a target it does not sample: a random digit that the policy gives
+probability 0.001 is never learned, and a long secret never sampled at all); (c) a non-member's
+score, the change of log p(secret) - log p(alternative), is as likely to be negative as
+positive whatever training did to the prompt, because the coin that named the secret is
+independent of training: general drift (training that sharpens or flattens every canary-like
+prompt) adds noise but no bias toward "member"; (d) one canary is one privacy unit of the DP
+guarantee (a prompt with all its responses and rewards), so the bound speaks about exactly what
+epsilon claims to protect.
 
-Power is not shown yet. On the embedded model, in a configuration that trains in about a
-minute on an idle machine (2 clients, 3 rounds of 10 iterations, 40 canaries, 12 guesses), DP off
-gave 9 of 12 correct guesses, which bounds nothing at 95% (at least 10 of 12 are needed for a
-positive bound, 12 of 12 for about 1.26): the tiny model learns too little about each canary
-in so few updates. The statistics are tested against the paper's formulas (tests/test_audit.py).
+Power is not reached yet. On the small configuration of ``benchmarks/audit_power.py`` (2 clients,
+2 rounds of 30 iterations, 64 canaries, 16 guesses; 1.5-6 min a run on one busy thread) DP off
+gave 12 and 13 of 16 correct guesses (bounds 0.06 and 0.34; 15 of 16 are needed for 1.0). The
+limit is cross-talk, not learning: member canaries do learn their secrets (trained alone their
+scores rise by 1 to 8 nats), but the tiny model learns them as functions of shared prompt
+features, which moves a non-member's log-odds by up to about 4 nats either way. Tried in
+development, on synthetic canaries only: more iterations (120 per client: AUC 0.74), learning
+rates 1.5e-3 to 1e-2 (worse above 3e-3), one client, longer prompts, and white-box scores (the
+alignment of each canary's gradient with the model's change, at the initial or final adapter,
+raw, normalised, or deconvolved by (ridge) regression of the change on all canaries'
+gradients): none beat an AUC of about 0.8. The statistics are tested against the paper's
+formulas (tests/test_audit.py).
 The bound is a lower bound: a small value proves nothing about a large epsilon; one audit run
 with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
 
@@ -41,6 +52,7 @@ with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -139,19 +151,24 @@ class AuditResult:
                           for k, v in dataclasses.asdict(self).items()}}
 
 
-def make_canaries(count: int, rng: np.random.Generator) -> list[Row]:
-    """``count`` unique canary prompts, each with a secret one-digit answer (module docstring)."""
-    seen: set[str] = set()
-    rows = []
-    while len(rows) < count:
-        text = "-".join(str(x) for x in rng.integers(10, 100, size=3)) + "="
-        if text in seen:
-            continue
-        seen.add(text)
-        rows.append({"data_source": CANARY_SOURCE, "prompt": [{"role": "user", "content": text}],
-                     "reward_model": {"ground_truth": SECRETS[rng.integers(len(SECRETS))]},
-                     "extra_info": {"canary": len(rows)}})
-    return rows
+def make_canary_prompts(count: int, rng: np.random.Generator) -> list[str]:
+    """``count`` distinct canary prompts ``<x>-<y>-<z>=``: a format that no task row has."""
+    prompts: dict[str, None] = {}
+    while len(prompts) < count:
+        prompts["-".join(str(x) for x in rng.integers(10, 100, size=3)) + "="] = None
+    return list(prompts)
+
+
+def make_canaries(prompts: list[str], initial: np.ndarray, rng: np.random.Generator) -> list[Row]:
+    """One canary per prompt: its secret is, by a fair coin, one of the two answers the initial
+    policy finds likeliest on that prompt, and the other is its ``alternative`` (module docstring).
+    ``initial``: log p(answer | prompt) under the initial adapter, (len(prompts), len(SECRETS))."""
+    top_two = np.argsort(-initial, axis=1, kind="stable")[:, :2]
+    coins = rng.integers(2, size=len(prompts))
+    return [{"data_source": CANARY_SOURCE, "prompt": [{"role": "user", "content": text}],
+             "reward_model": {"ground_truth": SECRETS[pair[coin]]},
+             "extra_info": {"canary": index, "alternative": SECRETS[pair[1 - coin]]}}
+            for index, (text, pair, coin) in enumerate(zip(prompts, top_two, coins))]
 
 
 def with_canary_reward(compute_score):
@@ -166,14 +183,15 @@ def with_canary_reward(compute_score):
 
 
 @torch.no_grad()
-def answer_log_probs(policy, tokenizer, canaries: list[Row]) -> np.ndarray:
-    """log p(answer | canary prompt) under ``policy``'s current adapter, for every canary and
-    every possible secret: (m, len(SECRETS))."""
+def answer_log_probs(policy, tokenizer, prompts: list[str]) -> np.ndarray:
+    """log p(answer | canary prompt) under ``policy``'s current adapter, for every prompt and
+    every possible secret: (len(prompts), len(SECRETS))."""
     policy.eval()
     device = next(policy.parameters()).device
     answers = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in SECRETS]
-    out = np.zeros((len(canaries), len(SECRETS)))
-    for i, row in enumerate(canaries):
+    out = np.zeros((len(prompts), len(SECRETS)))
+    for i, text in enumerate(prompts):
+        row = {"prompt": [{"role": "user", "content": text}]}
         prompt = tokenizer(prompt_text(row, tokenizer), add_special_tokens=False)["input_ids"]
         for j, answer in enumerate(answers):
             ids = torch.tensor([prompt + answer], device=device)
@@ -183,16 +201,16 @@ def answer_log_probs(policy, tokenizer, canaries: list[Row]) -> np.ndarray:
 
 
 def score_canaries(before: np.ndarray, after: np.ndarray, canaries: list[Row]) -> np.ndarray:
-    """Black-box membership scores: how much more likely training made each canary's secret on
-    its own prompt than the same answer on the other canaries' prompts. The second term removes
-    what training on the member canaries taught about canary-like prompts in general (a digit
-    that many members share gets likelier after every dashed prompt), which would otherwise
-    lift a non-member whose secret is that digit."""
+    """Black-box membership scores: how much training raised the log-odds of each canary's
+    secret against its alternative, on its own prompt. A non-member's secret is a fair coin
+    between the two, independent of the trained model, so its score is as likely to be
+    negative as positive whatever training did to canary-like prompts in general; a member's
+    rollouts were rewarded for its secret only, which pushes its score up."""
     change = after - before  # (m, answers)
+    rows = np.arange(len(canaries))
     secret = np.array([SECRETS.index(row["reward_model"]["ground_truth"]) for row in canaries])
-    own = change[np.arange(len(canaries)), secret]
-    others = (change[:, secret].sum(0) - own) / max(len(canaries) - 1, 1)
-    return own - others
+    alternative = np.array([SECRETS.index(row["extra_info"]["alternative"]) for row in canaries])
+    return change[rows, secret] - change[rows, alternative]
 
 
 def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
@@ -202,56 +220,97 @@ def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
     return int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
 
 
-def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditConfig, *, num_clients: int = 2,
-              models=None, log=print) -> AuditResult:
-    """Train the federation once with the canaries planted, and bound epsilon (module docstring)."""
+def train_planted(engine: EngineConfig, federation: FederationConfig, planted: list[Row], *, planted_client: int = 0,
+                  num_clients: int = 2, models=None, compute_score=None, log=print) -> tuple[list[np.ndarray], float]:
+    """Train the federation once, in one process, with ``planted`` rows added to partition
+    ``planted_client``'s training prompts: the same ``VerlClient``s, strategy and typed messages
+    as over Flower's wire (``inprocess.InProcessClients``), every client in every round, SecAgg+
+    off (it hides individual updates from the server, not what the released model learned).
+    Returns the final global adapter arrays and the epsilon the planted client reported
+    (infinity without DP)."""
     from flwr_verl.client import VerlClient, cached_models
     from flwr_verl.inprocess import InProcessClients, fit_round
     from flwr_verl.protocol import FitReport
-    from flwr_verl.rewards import resolve_compute_score
     from flwr_verl.strategy import FedProxAdapters
+
+    require(0 <= planted_client < num_clients, "audit.canary_client", planted_client,
+            f"must be a partition in [0, {num_clients})")
+    models = models or cached_models(engine)
+    clients = {}
+    for pid in range(num_clients):
+        rows = load_rows(engine.data, "train", engine.trainer.seed, pid, num_clients)
+        clients[str(pid)] = VerlClient(engine, rows + planted if pid == planted_client else rows, [], partition_id=pid,
+                                       models=models, compute_score=compute_score)
+    federation = dataclasses.replace(
+        federation, min_fit_clients=num_clients, min_available_clients=num_clients,
+        min_evaluate_clients=num_clients, fraction_fit=1.0,
+        secagg=dataclasses.replace(federation.secagg, enabled=False))
+    strategy = FedProxAdapters(federation, models.adapters.get_arrays(),
+                               local_iterations=engine.trainer.local_iterations)
+    manager = InProcessClients(clients)
+    claimed = math.inf
+    for server_round in range(1, federation.num_server_rounds + 1):
+        results, _ = fit_round(strategy, manager, server_round)
+        for proxy, res in results:
+            report = FitReport.from_metrics(res.metrics)
+            if proxy.cid == str(planted_client) and report.privacy is not None:
+                claimed = report.privacy.epsilon_total
+        log(f"round {server_round}/{federation.num_server_rounds} done")
+    return strategy.global_arrays, claimed
+
+
+def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditConfig, *, num_clients: int = 2,
+              models=None, log=print) -> AuditResult:
+    """Train the federation once with the canaries planted, and bound epsilon (module docstring)."""
+    from flwr_verl.client import cached_models
+    from flwr_verl.rewards import resolve_compute_score
 
     require(0 <= audit.canary_client < num_clients, "audit.canary_client", audit.canary_client,
             f"must be a partition in [0, {num_clients})")
     start = time.perf_counter()
     rng = np.random.default_rng(audit.seed)
-    canaries = make_canaries(audit.canaries, rng)
-    included = rng.random(audit.canaries) < 0.5
     models = models or cached_models(engine)
-    score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
-    seed = engine.trainer.seed
-    clients = {}
-    for pid in range(num_clients):
-        rows = load_rows(engine.data, "train", seed, pid, num_clients)
-        if pid == audit.canary_client:
-            rows = rows + [c for c, member in zip(canaries, included) if member]
-        clients[str(pid)] = VerlClient(engine, rows, [], partition_id=pid, models=models, compute_score=score)
-    federation = dataclasses.replace(
-        federation, min_fit_clients=num_clients, min_available_clients=num_clients,
-        min_evaluate_clients=num_clients, fraction_fit=1.0,
-        secagg=dataclasses.replace(federation.secagg, enabled=False))
     initial = models.adapters.get_arrays()
-    strategy = FedProxAdapters(federation, initial, local_iterations=engine.trainer.local_iterations)
-    manager = InProcessClients(clients)
-    claimed = math.inf if not engine.privacy.enabled else 0.0
-    for server_round in range(1, federation.num_server_rounds + 1):
-        results, _ = fit_round(strategy, manager, server_round)
-        for proxy, res in results:
-            report = FitReport.from_metrics(res.metrics)
-            if proxy.cid == str(audit.canary_client) and report.privacy is not None:
-                claimed = report.privacy.epsilon_total
-        log(f"audit: round {server_round}/{federation.num_server_rounds} done")
-    adapters = models.adapters
-    adapters.set_arrays(initial)
-    before = answer_log_probs(models.policy, models.tokenizer, canaries)
-    adapters.set_arrays(strategy.global_arrays)
-    after = answer_log_probs(models.policy, models.tokenizer, canaries)
+    prompts = make_canary_prompts(audit.canaries, rng)
+    before = answer_log_probs(models.policy, models.tokenizer, prompts)
+    canaries = make_canaries(prompts, before, rng)
+    included = rng.random(audit.canaries) < 0.5
+    score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
+    final, claimed = train_planted(engine, federation, [c for c, member in zip(canaries, included) if member],
+                                   planted_client=audit.canary_client, num_clients=num_clients, models=models,
+                                   compute_score=score, log=lambda line: log(f"audit: {line}"))
+    models.adapters.set_arrays(final)
+    after = answer_log_probs(models.policy, models.tokenizer, prompts)
+    models.adapters.set_arrays(initial)  # a cached model goes back as it came
     correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
     delta = engine.privacy.delta if engine.privacy.enabled else 0.0
     bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
     return AuditResult(canaries=audit.canaries, guesses=audit.guesses, correct=correct, confidence=audit.confidence,
                        delta=delta, epsilon_lower_bound=bound, epsilon_claimed=claimed, members=int(included.sum()),
                        seconds=time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def broken_mechanism():
+    """A deliberately broken DP mechanism, to check that the audit has power (never for training):
+    inside it, the trainer's DP optimizer clips at 1e6 and adds no noise, while the accountant
+    still records the configured noise multiplier, so the claimed epsilon is a lie that an audit
+    with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``)."""
+    from flwr_verl import trainer
+
+    real = trainer.make_private
+
+    def broken(*args, **kwargs):
+        update = real(*args, **kwargs)
+        update.optimizer.max_grad_norm = 1e6
+        update.optimizer.noise_multiplier = 0.0
+        return update
+
+    trainer.make_private = broken
+    try:
+        yield
+    finally:
+        trainer.make_private = real
 
 
 # ----------------------------------------------------------------------------- the command

@@ -14,6 +14,7 @@ from flwr_verl.audit import (
     fewest_canaries,
     guess,
     make_canaries,
+    make_canary_prompts,
     p_value,
     score_canaries,
     with_canary_reward,
@@ -66,24 +67,46 @@ def test_guess_counts_top_as_members_and_bottom_as_non_members():
     assert guess(-scores, included, 4) == 0
 
 
-def test_scores_remove_what_training_taught_about_canaries_in_general():
-    canaries = make_canaries(4, np.random.default_rng(1))
-    secrets = [int(c["reward_model"]["ground_truth"]) for c in canaries]
-    before = np.zeros((4, 10))
-    after = np.ones((4, 10))  # every answer on every prompt got likelier: nobody stands out
-    assert np.allclose(score_canaries(before, after, canaries), 0)
-    after[2, secrets[2]] += 3.0  # canary 2's own secret on its own prompt
-    assert np.argmax(score_canaries(before, after, canaries)) == 2
+def _canaries(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    initial = np.log(rng.dirichlet(np.ones(10), size=count))
+    return make_canaries(make_canary_prompts(count, rng), initial, rng), initial
+
+
+def test_a_canarys_secret_is_a_coin_between_the_initial_policys_two_likeliest_answers():
+    canaries, initial = _canaries(400)
+    top_two = np.argsort(-initial, axis=1)[:, :2]
+    secrets = [(int(c["reward_model"]["ground_truth"]), int(c["extra_info"]["alternative"])) for c in canaries]
+    assert all({s, a} == set(pair) for (s, a), pair in zip(secrets, top_two))
+    assert 0.4 < np.mean([s == pair[0] for (s, _), pair in zip(secrets, top_two)]) < 0.6
+
+
+def test_a_change_that_ignores_the_secret_scores_zero_on_average():
+    """Training that moves the two likeliest answers the same way on every prompt (here it
+    sharpens them: top one up, second down) gives the non-members scores of either sign, in
+    equal measure: the coin decided which of the two is the secret."""
+    canaries, initial = _canaries(2000, seed=3)
+    after = initial.copy()
+    rows = np.arange(len(canaries))
+    top_two = np.argsort(-initial, axis=1)[:, :2]
+    after[rows, top_two[:, 0]] += 2.0
+    after[rows, top_two[:, 1]] -= 2.0
+    scores = score_canaries(initial, after, canaries)
+    assert set(np.round(np.abs(scores), 6)) == {4.0}
+    assert abs(np.mean(scores)) < 0.3
+    secret = int(canaries[5]["reward_model"]["ground_truth"])
+    after[5, secret] += 3.0  # canary 5's own secret on its own prompt
+    assert np.argmax(score_canaries(initial, after, canaries)) == 5
 
 
 def test_canaries_are_unique_and_scored_by_their_secret():
-    canaries = make_canaries(50, np.random.default_rng(0))
+    canaries, _ = _canaries(50)
     assert len({c["prompt"][0]["content"] for c in canaries}) == 50
     score = with_canary_reward(lambda *args: -1.0)
     canary = canaries[0]
     secret = canary["reward_model"]["ground_truth"]
     assert score(canary["data_source"], secret + "7", secret) == 1.0
-    assert score(canary["data_source"], str((int(secret) + 1) % 10), secret) == 0.0
+    assert score(canary["data_source"], canary["extra_info"]["alternative"], secret) == 0.0
     assert score("other", "x", "y") == -1.0  # other rows keep the task's reward
 
 
@@ -113,3 +136,59 @@ def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
     assert main(["--clients", "2", "--canary-client", "2", "--out", str(out)]) == 2
     assert "audit.canary_client=2 is invalid: must be a partition in [0, 2)" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- power
+# The small configuration on which the audit must show power (a minute or two on one thread):
+# two clients, the canary client with 16 task prompts besides its member canaries.
+POWER = {
+    "data": {"train_size": 16, "val_size": 8, "train_batch_size": 16},
+    "rollout": {"n": 8, "response_length": 3},
+    "actor": {"ppo_mini_batch_size": 16},
+    "trainer": {"local_iterations": 30},
+}
+POWER_ROUNDS = 2
+POWER_AUDIT = AuditConfig(canaries=64, guesses=16)
+
+
+def _power_audit(**privacy):
+    import dataclasses
+
+    from flwr_verl.audit import run_audit
+    from flwr_verl.config import FederationConfig, engine_config
+
+    engine = engine_config(privacy=privacy, **POWER)
+    federation = dataclasses.replace(FederationConfig(), num_server_rounds=POWER_ROUNDS)
+    return run_audit(engine, federation, POWER_AUDIT, num_clients=2, log=lambda line: None)
+
+
+# Not reached yet (benchmarks/audit_power.py: DP off gives 12-14 of 16 correct, a bound of 0.06-0.65):
+# strict, so that the day the audit gets this power the tests say so.
+NOT_YET_POWERFUL = pytest.mark.xfail(strict=True, reason="the audit has no bound >= 1 on the small config yet")
+
+
+@pytest.mark.audit
+@NOT_YET_POWERFUL
+def test_without_dp_the_audit_bounds_epsilon_above_one():
+    result = _power_audit(enabled=False)
+    assert result.epsilon_lower_bound >= 1.0, result
+
+
+@pytest.mark.audit
+@NOT_YET_POWERFUL
+def test_a_mechanism_that_drops_clipping_and_noise_is_caught():
+    """A test double of the DP update that clips at 1e6 and adds no noise, while the accountant
+    still records the configured noise multiplier: the audit's bound exceeds the claimed epsilon."""
+    from flwr_verl.audit import broken_mechanism
+
+    with broken_mechanism():
+        result = _power_audit(enabled=True, target_epsilon=0.5, deterministic=True)
+    assert result.epsilon_claimed <= 0.5 + 1e-3
+    assert result.epsilon_lower_bound > result.epsilon_claimed, result
+
+
+@pytest.mark.audit
+def test_with_dp_at_epsilon_eight_the_bound_stays_below_the_claim():
+    result = _power_audit(enabled=True, target_epsilon=8.0, deterministic=True)
+    assert result.epsilon_claimed <= 8.0 + 1e-3
+    assert result.epsilon_lower_bound <= result.epsilon_claimed, result

@@ -1,0 +1,110 @@
+"""Does the one-run privacy audit (``flwr_verl.audit``) have power? Three settings, same canaries.
+
+* ``no_dp``: privacy off. An audit with power bounds epsilon clearly above 0 here.
+* ``broken``: a deliberately broken DP mechanism: the DP optimizer clips at 1e6 and adds no
+  noise, while the accountant still records the noise multiplier of ``privacy.target_epsilon
+  = --broken-epsilon``. An audit with power bounds epsilon above that claim.
+* ``dp``: DP-SGD at ``privacy.target_epsilon = --epsilon``: the bound must never exceed the claim.
+
+The configuration is the small one of ``tests/test_audit.py``: two clients, the canary client with
+16 task prompts besides its member canaries, 8 responses per prompt, ``--rounds`` rounds of
+``--local-iterations`` iterations; m = ``--canaries``, r = ``--guesses``. Medians and ranges are
+over ``--seeds`` (the audit's seed: which canaries, which secrets, which members).
+
+    nice -n 5 python benchmarks/audit_power.py [--seeds 3] [--out benchmarks/results/audit_power.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# The small configuration (tests/test_audit.py uses the same).
+SMALL = {
+    "data": {"train_size": 16, "val_size": 8, "train_batch_size": 16},
+    "rollout": {"n": 8, "response_length": 3},
+    "actor": {"ppo_mini_batch_size": 16},
+}
+
+
+def audit_small(privacy: dict, *, local_iterations: int, rounds: int, canaries: int, guesses: int, seed: int):
+    from flwr_verl.audit import AuditConfig, run_audit
+    from flwr_verl.config import FederationConfig, engine_config
+
+    engine = engine_config(privacy=privacy, trainer={"local_iterations": local_iterations}, **SMALL)
+    federation = dataclasses.replace(FederationConfig(), num_server_rounds=rounds)
+    return run_audit(engine, federation, AuditConfig(canaries=canaries, guesses=guesses, seed=seed), num_clients=2,
+                     log=lambda line: None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--canaries", type=int, default=64)
+    parser.add_argument("--guesses", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--local-iterations", type=int, default=30)
+    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--broken-epsilon", type=float, default=0.5)
+    parser.add_argument("--out", type=Path, default=RESULTS / "audit_power.json")
+    args = parser.parse_args()
+    import torch
+
+    from flwr_verl.audit import broken_mechanism
+
+    torch.set_num_threads(1)
+    settings = {
+        "no_dp": ({"enabled": False}, contextlib.nullcontext),
+        "broken": ({"enabled": True, "target_epsilon": args.broken_epsilon, "deterministic": True},
+                   broken_mechanism),
+        "dp": ({"enabled": True, "target_epsilon": args.epsilon, "deterministic": True}, contextlib.nullcontext),
+    }
+    started = time.perf_counter()
+    results: dict[str, list[dict]] = {}
+    for name, (privacy, context) in settings.items():
+        for seed in range(args.seeds):
+            with context():
+                result = audit_small(privacy, local_iterations=args.local_iterations, rounds=args.rounds,
+                                     canaries=args.canaries, guesses=args.guesses, seed=seed)
+            results.setdefault(name, []).append(result.to_json()["audit"])
+            print(f"{name:7s} seed {seed}: {result.correct}/{result.guesses} correct, epsilon >= "
+                  f"{result.epsilon_lower_bound:.3f}, claimed {result.epsilon_claimed:.3g}, {result.seconds:.0f} s",
+                  flush=True)
+    summary = {}
+    for name, runs in results.items():
+        bounds = [r["epsilon_lower_bound"] for r in runs]
+        correct = [r["correct"] for r in runs]
+        claimed = [float(r["epsilon_claimed"]) for r in runs]
+        summary[name] = {"bound_median": statistics.median(bounds), "bound_range": [min(bounds), max(bounds)],
+                         "correct_median": statistics.median(correct), "correct_range": [min(correct), max(correct)],
+                         "guesses": args.guesses, "claimed_max": "inf" if math.isinf(max(claimed)) else max(claimed),
+                         "bound_exceeds_claim": sum(b > c for b, c in zip(bounds, claimed)),
+                         "seconds_median": statistics.median(r["seconds"] for r in runs)}
+        s = summary[name]
+        print(f"{name:7s} bound median {s['bound_median']:.3f} (range {s['bound_range'][0]:.3f}-"
+              f"{s['bound_range'][1]:.3f}), correct {s['correct_median']}/{args.guesses} (range "
+              f"{s['correct_range'][0]}-{s['correct_range'][1]}), claimed <= {s['claimed_max']}, bound > claim in "
+              f"{s['bound_exceeds_claim']}/{len(runs)} runs, {s['seconds_median']:.0f} s a run")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS {peak_mib:.0f} MiB, {time.perf_counter() - started:.0f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+                                    "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                    "summary": summary, "runs": results, "peak_rss_mib": peak_mib}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
