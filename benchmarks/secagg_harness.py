@@ -57,7 +57,7 @@ from flwr_verl.protocol import STATUS_OK, FitConfig, FitReport  # noqa: E402
 from flwr_verl.secagg import check_update, exact_update  # noqa: E402
 
 SPEC_ENV = "FLWR_VERL_SECAGG_SPEC"  # env var: path of the run's spec (JSON)
-NUM_EXAMPLES = (96, 256, 480)  # per partition; auto max-weight 2 * train_size = 500 covers them
+NUM_EXAMPLES = (96, 256, 480)  # per partition, unequal; max-weight 2 * train_size = 500 covers them
 # Not a power of two on purpose: with max-weight 2**k the weights n / max-weight land on SecAgg+'s
 # quantization grid, and so do many float32-derived updates, which hides most rounding error.
 TRAIN_SIZE = 250
@@ -478,12 +478,14 @@ def run_flower(spec: dict, timeout: float = 600, workdir: Path | None = None) ->
 # ----------------------------------------------------------------------------- SecAgg+ settings
 def secagg_kwargs(clipping_range: float = 1.0, precision: float = 1e-7) -> dict:
     """SecAgg+ workflow settings from ``derive_parameters`` for this benchmark's data (3 clients;
-    the smallest has ``min(NUM_EXAMPLES)`` prompts, the batch size that guarantees it)."""
+    the smallest has ``min(NUM_EXAMPLES)`` prompts, the batch size that guarantees it). The
+    clients' sizes differ, as with data files, so max-weight is explicit: the automatic one
+    assumes iid task data, where every client has exactly ``train_size`` prompts."""
     from flwr_verl.config import DataConfig, SecAggConfig
     from flwr_verl.secagg import derive_parameters
 
     data = DataConfig(train_size=TRAIN_SIZE, train_batch_size=min(NUM_EXAMPLES))
-    config = SecAggConfig(clipping_range=clipping_range, precision=precision)
+    config = SecAggConfig(clipping_range=clipping_range, precision=precision, max_weight=2 * TRAIN_SIZE)
     return derive_parameters(config, data, num_clients=3).workflow_kwargs()
 
 
