@@ -447,7 +447,9 @@ class FedProxAdapters(Strategy):
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_total")
-        training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}, kl {metrics['kl']:.4f}"
+        kl = metrics.get("kl", math.nan)  # nan when no KL term ran the reference pass
+        training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
+                    + ("" if math.isnan(kl) else f", kl {kl:.4f}")
                     if "reward_before" in metrics else
                     f"noised reward {metrics['dp_reward_mean']:.3f}, response length {metrics['dp_response_length']:.1f}"
                     if "dp_reward_mean" in metrics else "training metrics not sent")
