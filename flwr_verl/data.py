@@ -68,6 +68,16 @@ def read_parquet_files(files: str) -> Iterator[tuple[Path, list[dict]]]:
         yield path, records
 
 
+def read_parquet_units(files: str, units_of: Callable[[list[dict], str], list]) -> list:
+    """The privacy units of comma-separated parquet ``files``, grouped per file by
+    ``units_of(records, path)`` (a stage's own format: ``sft``, ``reward_model``); none is a
+    ``DataError``."""
+    units = [unit for path, records in read_parquet_files(files) for unit in units_of(records, str(path))]
+    if not units:
+        raise DataError(f"{files}: no rows")
+    return units
+
+
 def load_parquet_rows(files: str) -> list[Row]:
     """Rows of comma-separated parquet ``files``, validated."""
     rows = [validate_row(record, f"{path} row {index}")

@@ -44,7 +44,7 @@ import torch
 
 from flwr_verl import embedded
 from flwr_verl.config import ConfigError, DataConfig, EngineConfig, ModelConfig
-from flwr_verl.data import DataError, load_stage_units, read_parquet_files, trl_prompt, trl_response
+from flwr_verl.data import DataError, load_stage_units, read_parquet_units, trl_prompt, trl_response
 from flwr_verl.models import (
     AdapterSet,
     ModelLoadError,
@@ -90,10 +90,7 @@ def preference_units(records: list[dict], source: str) -> list[PreferenceUnit]:
 
 
 def load_preference_files(files: str) -> list[PreferenceUnit]:
-    units = [unit for path, records in read_parquet_files(files) for unit in preference_units(records, str(path))]
-    if not units:
-        raise DataError(f"{files}: no rows")
-    return units
+    return read_parquet_units(files, preference_units)
 
 
 def near_misses(answer: int, count: int, rng: random.Random) -> list[int]:

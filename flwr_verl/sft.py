@@ -40,7 +40,7 @@ import torch
 from flwr_verl import embedded
 from flwr_verl._verl import compute_position_id_with_mask, verl_F
 from flwr_verl.config import ConfigError, DataConfig, EngineConfig
-from flwr_verl.data import DataError, load_stage_units, prompt_text, read_parquet_files, trl_prompt, trl_response
+from flwr_verl.data import DataError, load_stage_units, prompt_text, read_parquet_units, trl_prompt, trl_response
 from flwr_verl.models import Models, build_models, check_lengths
 from flwr_verl.privacy import unit_means
 from flwr_verl.protocol import EvaluateReport
@@ -95,10 +95,7 @@ def sft_units(records: list[dict], source: str) -> list[SFTUnit]:
 
 
 def load_sft_files(files: str) -> list[SFTUnit]:
-    units = [unit for path, records in read_parquet_files(files) for unit in sft_units(records, str(path))]
-    if not units:
-        raise DataError(f"{files}: no rows")
-    return units
+    return read_parquet_units(files, sft_units)
 
 
 def arithmetic_units(num_prompts: int, seed: int, split: str) -> list[SFTUnit]:
