@@ -204,6 +204,7 @@ class ActorConfig:
     lr: float = 3e-3  # chosen on the embedded task's tune split under DP (1e-2 let the noise dominate)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    shared_prompt_forward: bool = True  # each prompt computed once for its n responses (forward.py)
 
     def __post_init__(self) -> None:
         from flwr_verl._verl import core_algos

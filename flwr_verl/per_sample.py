@@ -95,22 +95,34 @@ class PerSampleGradients:
                                                    torch.autograd.graph.get_gradient_edge(output)))
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Set ``grad_sample`` on every trainable weight from one recorded forward pass and its
-        mean-over-rows ``loss``; the weights' batch gradients (``.grad``) are not computed."""
+        """Set ``grad_sample`` on every trainable weight from the forward passes recorded since the
+        last backward and their mean-over-rows ``loss``; the weights' batch gradients (``.grad``)
+        are not computed.
+
+        The loss's rows are those of the widest pass. A layer may run more than once (a prompt
+        pass and a response pass, ``forward.response_logits``): a pass with ``rows / k`` rows has
+        one row per k adjacent rows of the loss, and each of them gets 1/k of its gradient, so
+        the sum over each group of k rows, what pooling per prompt takes, is exact."""
         recorded, self._recorded = self._recorded, []
         if not recorded:
             raise RuntimeError("PerSampleGradients.backward: no training forward pass was recorded; run the "
                                "forward pass inside recording(), with gradients enabled and the model in train mode")
-        if len({id(record.layer) for record in recorded}) < len(recorded):
-            raise RuntimeError("PerSampleGradients.backward: a layer ran more than once since the last backward; "
-                               "take one backward per forward pass")
+        rows = max(record.activations[-1].shape[0] for record in recorded)
+        if any(rows % record.activations[-1].shape[0] for record in recorded):
+            raise RuntimeError("PerSampleGradients.backward: a recorded pass's rows do not divide the loss's "
+                               f"{rows} rows: {sorted({record.activations[-1].shape[0] for record in recorded})}")
         backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
+        assigned: set[torch.nn.Parameter] = set()
         for index, record in enumerate(recorded):
             backprop, backprops[index] = backprops[index], None  # freed once used
-            rows = record.activations[-1].shape[0]  # loss_reduction="mean": a row's gradient is rows x its share
+            share = rows // record.activations[-1].shape[0]
             sampler = self._samplers[record.layer]
+            # loss_reduction="mean": a row's gradient is rows x its share of the loss's gradient
             for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
-                param.grad_sample = sample
+                if share > 1:
+                    sample = sample.repeat_interleave(share, dim=0) / share
+                param.grad_sample = param.grad_sample + sample if param in assigned else sample
+                assigned.add(param)
 
     def close(self) -> None:
         """Detach what functorch attached to the layers (nothing in the default mode)."""

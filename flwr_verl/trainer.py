@@ -43,6 +43,7 @@ from flwr_verl._verl import (
 from flwr_verl.config import EngineConfig
 from flwr_verl.data import Row
 from flwr_verl.deidentify import build_processors
+from flwr_verl.forward import response_logits
 from flwr_verl.models import Models, build_models
 from flwr_verl.privacy import (
     IterationMechanism,
@@ -332,9 +333,10 @@ class LocalPPOTrainer:
     def _forward_policy(self, batch: DataProto, with_entropy: bool = False):
         """Log-probs (and entropy) of the response tokens: (rows, R)."""
         responses = batch.batch["responses"]
-        logits = self.policy(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
-                             position_ids=batch.batch["position_ids"]).logits
-        logits = logits[:, -responses.shape[1] - 1: -1] / self.config.rollout.temperature  # (rows, R, V)
+        group = self.config.rollout.n if self.config.actor.shared_prompt_forward else 1
+        logits = response_logits(self.policy, batch.batch["input_ids"], batch.batch["attention_mask"],
+                                 batch.batch["position_ids"], responses.shape[1], group)
+        logits = logits / self.config.rollout.temperature  # (rows, R, V)
         log_prob = verl_F.logprobs_from_logits(logits, responses)
         entropy = verl_F.entropy_from_logits(logits) if with_entropy else None
         return log_prob, entropy

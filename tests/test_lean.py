@@ -19,6 +19,7 @@ from flwr_verl._verl import AlgoConfig, DataProto, KLControlConfig, core_algos, 
 from flwr_verl.config import ADV_ESTIMATORS
 from flwr_verl.data import load_rows
 from flwr_verl.embedded import compute_score
+from flwr_verl.forward import response_logits
 from flwr_verl.rewards import make_reward_manager
 from flwr_verl.trainer import LocalPPOTrainer
 
@@ -37,9 +38,10 @@ def test_engine_imports_neither_opacus_nor_verls_driver():
 
 
 # ----------------------------------------------------------------------------- log-prob passes
-def full_forwards(trainer: LocalPPOTrainer) -> list[int]:
+def forward_lengths(trainer: LocalPPOTrainer) -> list[int]:
     """The sequence lengths of the base model's forward passes; generation's first pass (the
-    prompts) comes first, then its one-token steps, then passes over prompt + response."""
+    prompts) comes first, then its one-token steps, then the policy passes: each a pass over the
+    prompts then one over the responses on their cache (``forward.response_logits``)."""
     lengths: list[int] = []
     trainer.policy.get_base_model().register_forward_pre_hook(
         lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
@@ -60,10 +62,11 @@ ON_POLICY = {"actor": {"ppo_mini_batch_size": 8}}  # one mini-batch of the 8 pro
 def test_log_prob_passes_run_only_when_read(tiny_config, overrides, expected, kl):
     config = tiny_config(**overrides)
     trainer = LocalPPOTrainer(config, load_rows(config.data, "train", seed=0))
-    lengths = full_forwards(trainer)
+    lengths = forward_lengths(trainer)
     (metrics,) = trainer.fit(1).metrics
-    prompt_length = lengths[0]
-    assert lengths.count(prompt_length + config.rollout.response_length) == expected, lengths
+    prompt_length, response_length = lengths[0], config.rollout.response_length
+    assert response_length not in (1, prompt_length) and lengths.count(prompt_length + response_length) == 0
+    assert lengths.count(response_length) == expected, lengths
     assert ("kl" in metrics) == kl, metrics
 
 
@@ -89,10 +92,9 @@ def test_on_policy_old_log_probs_equal_recomputed_ones_exactly(tiny_config, monk
     batch = rollouts[0].batch
     trainer.policy.eval()
     with torch.no_grad():
-        logits = trainer.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                position_ids=batch["position_ids"]).logits
-    response_length = batch["responses"].shape[1]
-    logits = logits[:, -response_length - 1:-1] / config.rollout.temperature
+        logits = response_logits(trainer.policy, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                 batch["responses"].shape[1], config.rollout.n)
+    logits = logits / config.rollout.temperature
     recomputed = verl_F.logprobs_from_logits(logits, batch["responses"])  # what the old-log-prob pass computes
     assert torch.equal(used["old_log_prob"], recomputed)
     assert not used["old_log_prob"].requires_grad

@@ -29,6 +29,7 @@ from scipy.stats import norm
 from flwr_verl._verl import core_algos, verl_F
 from flwr_verl.config import ConfigError, PrivacyConfig, engine_config
 from flwr_verl.data import task_rows
+from flwr_verl.forward import response_logits
 from flwr_verl.models import build_models
 from flwr_verl.privacy import (
     IterationMechanism,
@@ -130,20 +131,21 @@ def unit_rows(unit: int) -> np.ndarray:
     return np.arange(unit * N_RESPONSES, (unit + 1) * N_RESPONSES)
 
 
-def policy_loss(policy, data) -> torch.Tensor:
-    """-(log_prob * advantage) per token, aggregated like the trainer (seq-mean-token-mean)."""
+def policy_loss(policy, data, shared_prompts: bool = False) -> torch.Tensor:
+    """-(log_prob * advantage) per token, aggregated like the trainer (seq-mean-token-mean); with
+    ``shared_prompts`` each prompt is computed once for its responses, as the trainer does."""
     responses = data.batch["responses"]
-    logits = policy(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"],
-                    position_ids=data.batch["position_ids"]).logits
-    log_prob = verl_F.logprobs_from_logits(logits[:, -responses.shape[1] - 1: -1], responses)
+    logits = response_logits(policy, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
+                             responses.shape[1], N_RESPONSES if shared_prompts else 1)
+    log_prob = verl_F.logprobs_from_logits(logits, responses)
     return core_algos.agg_loss(-(log_prob * data.batch["advantages"]), data.batch["response_mask"],
                                "seq-mean-token-mean")
 
 
-def per_row_backward(private: PrivateUpdate, policy, batch) -> None:
+def per_row_backward(private: PrivateUpdate, policy, batch, shared_prompts: bool = False) -> None:
     """The trainer's forward pass inside the update's recording, then its per-row backward."""
     with private.recording():
-        private.backward(policy_loss(policy, batch))
+        private.backward(policy_loss(policy, batch, shared_prompts))
 
 
 def dp_step(private: PrivateUpdate, policy, batch) -> None:
@@ -202,13 +204,17 @@ def gaussian_epsilon(mu: float, delta: float = DELTA) -> float:
 
 
 # ----------------------------------------------------------------------------- per-unit gradients
+@pytest.mark.parametrize("shared_prompts", [False, True], ids=["full-forward", "shared-prompts"])
 @pytest.mark.parametrize("mode", ["hooks", "functorch"])
-def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode):
+def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode, shared_prompts):
+    """Each prompt's pooled gradient is the gradient of that prompt computed alone, with a full
+    forward, also when the update's forward computes each prompt once for its responses (a
+    prompt pass of G rows and a response pass of G x n rows through every layer)."""
     policy = models.policy
     params = trainable(policy)
     private = attach(policy, torch.optim.SGD(params, lr=1.0), noise=0.0, mode=mode)
     try:
-        per_row_backward(private, policy, batch)
+        per_row_backward(private, policy, batch, shared_prompts)
         assert all(p.grad_sample.shape[0] == G * N_RESPONSES for p in private.optimizer.params)
         pool_units(private.optimizer.params, N_RESPONSES)
         pooled = [p.grad_sample.detach().clone() for p in params]
@@ -416,7 +422,9 @@ def test_lora_weights_change_under_dp(models, rows):
 def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypatch):
     """A short seeded DP fit (2 iterations of 2 mini-batches, noise on) ends at the same weights,
     bit for bit, as the same fit with Opacus's hooks on the policy throughout (the path before
-    per-sample gradients were recorded only in the update)."""
+    per-sample gradients were recorded only in the update). Both take the full forward: Opacus's
+    hooks cannot take a prompt pass and a response pass of different widths (they add the prompt
+    rows' gradients to the first rows of the batch, not to each prompt's rows)."""
     from opacus.grad_sample import GradSampleHooks
 
     from flwr_verl.per_sample import PerSampleGradients
@@ -428,7 +436,9 @@ def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypa
         with torch.no_grad():
             for param, value in zip(params, start):
                 param.copy_(value)
-        result = LocalPPOTrainer(small_config(), rows, models=models).fit(2, seed=4)
+        config = engine_config(data={"train_batch_size": 8, "train_size": 64}, privacy={"deterministic": True},
+                               actor={"ppo_mini_batch_size": 4, "lr": 1e-2, "shared_prompt_forward": False})
+        result = LocalPPOTrainer(config, rows, models=models).fit(2, seed=4)
         return [p.detach().clone() for p in params], result.metrics
 
     weights, metrics = fit()
