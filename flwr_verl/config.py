@@ -73,6 +73,9 @@ class ModelConfig:
     # A saved PEFT adapter of this base (e.g. a stage-sft run's adapters/final/policy): the policy's
     # starting LoRA weights, loaded bit for bit, in place of the seeded fresh ones. "" = fresh.
     init_adapter: str = ""
+    # Each prompt computed once for its n responses, in generation and in the policy's passes, on
+    # its key/value cache repeated along the batch (forward.py). False: every row computed whole.
+    shared_prompt_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.path:
@@ -204,7 +207,6 @@ class ActorConfig:
     lr: float = 3e-3  # chosen on the embedded task's tune split under DP (1e-2 let the noise dominate)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    shared_prompt_forward: bool = True  # each prompt computed once for its n responses (forward.py)
 
     def __post_init__(self) -> None:
         from flwr_verl._verl import core_algos

@@ -23,6 +23,7 @@ import torch
 from flwr_verl._verl import DataProto, compute_position_id_with_mask, compute_response_mask, verl_F
 from flwr_verl.config import RolloutConfig
 from flwr_verl.data import Row, prompt_text
+from flwr_verl.forward import prompt_cache
 from flwr_verl.rewards import PROMPT_KEY
 
 
@@ -38,9 +39,12 @@ def generate(
     greedy: bool = False,
     uid_offset: int = 0,
     logits_processor=None,
+    shared_prompt_cache: bool = True,
 ) -> DataProto:
     """``n`` (default ``config.n``) responses for each of ``rows``; ``logits_processor`` goes to
-    ``generate`` as is (``deidentify.build_processors``)."""
+    ``generate`` as is (``deidentify.build_processors``). With ``shared_prompt_cache`` each
+    prompt is computed once and its key/value cache repeated for its n responses
+    (``forward.prompt_cache``): the same tokens, for 1/n of the prompts' compute."""
     n = config.n if n is None else n
     device = next(model.parameters()).device
     texts = [prompt_text(row, tokenizer) for row in rows]
@@ -55,10 +59,14 @@ def generate(
         "top_k": config.top_k or None,
     }
     model.eval()
+    cache = None
+    if shared_prompt_cache and n > 1 and encoded["input_ids"].shape[1] > 1:
+        # all but the last prompt token: generate's first step runs that one on the cache
+        cache = prompt_cache(model, encoded["input_ids"][:, :-1].to(device), encoded["attention_mask"][:, :-1].to(device), n)
     output = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=config.response_length,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, logits_processor=logits_processor,
-        **sampling,
+        past_key_values=cache, **sampling,
     )
     responses = output[:, prompt_ids.shape[1]:]
     pad = config.response_length - responses.shape[1]  # generation may stop early for all rows

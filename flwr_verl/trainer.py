@@ -283,7 +283,7 @@ class LocalPPOTrainer:
 
         with _timed(timings, "rollout"):
             batch = generate(self.policy, self.tokenizer, rows, cfg.rollout, cfg.data.max_prompt_length,
-                             logits_processor=self.logits_processor)
+                             logits_processor=self.logits_processor, shared_prompt_cache=cfg.model.shared_prompt_cache)
         with _timed(timings, "reward"):
             batch.batch["token_level_scores"] = self.train_reward(batch)
             if cfg.algorithm.adv_estimator == "remax":  # baseline: reward of the greedy response
@@ -333,7 +333,7 @@ class LocalPPOTrainer:
     def _forward_policy(self, batch: DataProto, with_entropy: bool = False):
         """Log-probs (and entropy) of the response tokens: (rows, R)."""
         responses = batch.batch["responses"]
-        group = self.config.rollout.n if self.config.actor.shared_prompt_forward else 1
+        group = self.config.rollout.n if self.config.model.shared_prompt_cache else 1
         logits = response_logits(self.policy, batch.batch["input_ids"], batch.batch["attention_mask"],
                                  batch.batch["position_ids"], responses.shape[1], group)
         logits = logits / self.config.rollout.temperature  # (rows, R, V)

@@ -15,17 +15,26 @@ N = 4
 
 
 @pytest.fixture(scope="module")
-def policy_and_batch():
+def models():
     torch.manual_seed(0)
-    models = build_models(engine_config().model, with_critic=False, seed=0)
+    built = build_models(engine_config().model, with_critic=False, seed=0)
     with torch.no_grad():  # adapters off their zero init, so that they take part in the forward
-        for param in models.policy.parameters():
+        for param in built.policy.parameters():
             if param.requires_grad:
                 param.add_(0.05 * torch.randn_like(param))
-    config = engine_config()
+    return built
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """Prompts of different lengths, so that a batch of them is left-padded."""
     rows = task_rows("arithmetic", 64, seed=0, split="train")
-    # prompts of different lengths, so that the batch is left-padded
-    rows = sorted(rows, key=lambda row: len(row["prompt"][0]["content"]))[::16][:4]
+    return sorted(rows, key=lambda row: len(row["prompt"][0]["content"]))[::16][:4]
+
+
+@pytest.fixture(scope="module")
+def policy_and_batch(models, rows):
+    config = engine_config()
     batch = generate(models.policy, models.tokenizer, rows, config.rollout, config.data.max_prompt_length, n=N)
     assert (batch.batch["attention_mask"][:, 0] == 0).any(), "the batch should be left-padded"
     return models.policy, batch.batch
@@ -78,3 +87,18 @@ def test_rows_not_grouped_by_prompt_take_the_full_forward(policy_and_batch, case
     policy.eval()
     with torch.no_grad():
         torch.testing.assert_close(shared_logits(policy, batch, n), full_logits(policy, batch), rtol=0, atol=0)
+
+
+def test_generation_on_the_shared_prompt_cache_samples_the_same_tokens(models, rows):
+    """Left-padded prompts of different lengths, sampled at temperature 1: the same responses
+    with each prompt computed once as with every repeated prompt computed whole."""
+    config = engine_config()
+
+    def responses(shared: bool) -> torch.Tensor:
+        torch.manual_seed(5)
+        return generate(models.policy, models.tokenizer, rows, config.rollout, config.data.max_prompt_length, n=N,
+                        shared_prompt_cache=shared).batch["responses"]
+
+    plain, shared = responses(False), responses(True)
+    assert torch.equal(shared, plain)
+    assert len({tuple(r.tolist()) for r in plain}) > len(rows), "degenerate check: every prompt's responses are equal"

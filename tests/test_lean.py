@@ -39,9 +39,10 @@ def test_engine_imports_neither_opacus_nor_verls_driver():
 
 # ----------------------------------------------------------------------------- log-prob passes
 def forward_lengths(trainer: LocalPPOTrainer) -> list[int]:
-    """The sequence lengths of the base model's forward passes; generation's first pass (the
-    prompts) comes first, then its one-token steps, then the policy passes: each a pass over the
-    prompts then one over the responses on their cache (``forward.response_logits``)."""
+    """The sequence lengths of the base model's forward passes: generation's pass over the
+    prompts but their last token (the shared prompt cache), its one-token steps, then the policy
+    passes, each a pass over the prompts and one over the responses on their cache
+    (``forward.response_logits``)."""
     lengths: list[int] = []
     trainer.policy.get_base_model().register_forward_pre_hook(
         lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
@@ -64,9 +65,10 @@ def test_log_prob_passes_run_only_when_read(tiny_config, overrides, expected, kl
     trainer = LocalPPOTrainer(config, load_rows(config.data, "train", seed=0))
     lengths = forward_lengths(trainer)
     (metrics,) = trainer.fit(1).metrics
-    prompt_length, response_length = lengths[0], config.rollout.response_length
-    assert response_length not in (1, prompt_length) and lengths.count(prompt_length + response_length) == 0
-    assert lengths.count(response_length) == expected, lengths
+    prompt_length, response_length = lengths[0] + 1, config.rollout.response_length
+    assert lengths.count(prompt_length + response_length) == 0, lengths  # no pass computes a row whole
+    policy_passes = sum(pair == (prompt_length, response_length) for pair in zip(lengths, lengths[1:]))
+    assert policy_passes == expected, lengths
     assert ("kl" in metrics) == kl, metrics
 
 

@@ -437,7 +437,7 @@ def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypa
             for param, value in zip(params, start):
                 param.copy_(value)
         config = engine_config(data={"train_batch_size": 8, "train_size": 64}, privacy={"deterministic": True},
-                               actor={"ppo_mini_batch_size": 4, "lr": 1e-2, "shared_prompt_forward": False})
+                               actor={"ppo_mini_batch_size": 4, "lr": 1e-2}, model={"shared_prompt_cache": False})
         result = LocalPPOTrainer(config, rows, models=models).fit(2, seed=4)
         return [p.detach().clone() for p in params], result.metrics
 
