@@ -112,17 +112,22 @@ class PerSampleGradients:
             raise RuntimeError("PerSampleGradients.backward: a recorded pass's rows do not divide the loss's "
                                f"{rows} rows: {sorted({record.activations[-1].shape[0] for record in recorded})}")
         backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
+        order = sorted(range(len(recorded)), key=lambda i: recorded[i].activations[-1].shape[0], reverse=True)
         assigned: set[torch.nn.Parameter] = set()
-        for index, record in enumerate(recorded):
-            backprop, backprops[index] = backprops[index], None  # freed once used
+        for index in order:  # full-width passes first: the narrower ones add into their rows in place
+            record, backprop, backprops[index] = recorded[index], backprops[index], None  # freed once used
             share = rows // record.activations[-1].shape[0]
             sampler = self._samplers[record.layer]
             # loss_reduction="mean": a row's gradient is rows x its share of the loss's gradient
             for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
-                if share > 1:
-                    sample = sample.repeat_interleave(share, dim=0) / share
-                param.grad_sample = param.grad_sample + sample if param in assigned else sample
-                assigned.add(param)
+                if param not in assigned:
+                    param.grad_sample = sample if share == 1 else torch.zeros(
+                        (rows, *sample.shape[1:]), dtype=sample.dtype, device=sample.device)
+                    assigned.add(param)
+                    if share == 1:
+                        continue
+                grouped = param.grad_sample.view(-1, share, *sample.shape[1:])  # (rows / share, share, ...)
+                grouped.add_(sample.unsqueeze(1), alpha=1.0 / share)
 
     def close(self) -> None:
         """Detach what functorch attached to the layers (nothing in the default mode)."""
