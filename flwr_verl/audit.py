@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -71,6 +72,7 @@ from flwr_verl.data import Row, load_rows, prompt_text
 
 CANARY_SOURCE = "flwr_verl/canary"
 SECRETS = tuple("0123456789")  # the alphabet of secret answers
+CANARY_KINDS = ("gradient", "prompt")
 
 
 # ----------------------------------------------------------------------------- the statistics
@@ -115,13 +117,16 @@ def fewest_canaries(confidence: float) -> int:
 @dataclass
 class AuditConfig:
     """``canaries``: m; ``guesses``: r (k = r/2 guessed members, k non-members);
-    ``canary_client``: the partition whose data holds the included canaries."""
+    ``canary_client``: the partition whose data holds the included canaries; ``kind``: "gradient"
+    (white-box Dirac canaries in the canary client's update, ``GradientCanaries``) or "prompt"
+    (black-box prompt canaries in its training prompts, ``make_canaries``)."""
 
     canaries: int = 64
     guesses: int = 16
     confidence: float = 0.95
     canary_client: int = 0
     seed: int = 0
+    kind: str = "gradient"
 
     def __post_init__(self) -> None:
         least = fewest_canaries(self.confidence) if 0 < self.confidence < 1 else 1
@@ -132,6 +137,7 @@ class AuditConfig:
         require(self.guesses >= least and self.guesses % 2 == 0 and self.guesses <= self.canaries, "audit.guesses",
                 self.guesses, f"must be even, >= {least} and <= audit.canaries={self.canaries}")
         require(self.canary_client >= 0, "audit.canary_client", self.canary_client, "must be >= 0")
+        require(self.kind in CANARY_KINDS, "audit.kind", self.kind, f"must be one of {', '.join(CANARY_KINDS)}")
 
 
 @dataclass
@@ -145,6 +151,7 @@ class AuditResult:
     epsilon_claimed: float  # what the canary client reported (inf without DP)
     members: int
     seconds: float
+    kind: str = "gradient"
 
     def to_json(self) -> dict[str, Any]:
         return {"audit": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
@@ -220,13 +227,133 @@ def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
     return int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
 
 
+# ----------------------------------------------------------------------------- gradient canaries
+@dataclass(frozen=True)
+class GradientCanaries:
+    """White-box Dirac canaries (Steinke et al. 2023, Section 6; Nasr et al. 2021): canary i is a
+    privacy unit whose gradient is ``norm * signs[i]`` on the one adapter weight ``coordinates[i]``
+    (a flat index over the trainable policy weights, in ``policy.parameters()`` order) and 0
+    elsewhere, a loss gradient like any unit's. Its score is how far training moved that weight
+    against its sign: the way gradient descent moves it when the canary is in the data."""
+
+    coordinates: np.ndarray  # (m,) distinct
+    signs: np.ndarray  # (m,) of +-1
+    norm: float
+
+    @classmethod
+    def draw(cls, count: int, num_weights: int, norm: float, rng: np.random.Generator) -> GradientCanaries:
+        require(count <= num_weights, "audit.canaries", count, f"must be <= the {num_weights} trainable weights")
+        return cls(coordinates=rng.choice(num_weights, size=count, replace=False),
+                   signs=rng.choice([-1.0, 1.0], size=count), norm=norm)
+
+    def scores(self, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+        """Each canary's weight change against its gradient, from flat weights before and after."""
+        return self.signs * (before[self.coordinates] - after[self.coordinates])
+
+
+def flat_weights(params: list[torch.nn.Parameter]) -> np.ndarray:
+    return torch.cat([p.detach().flatten() for p in params]).cpu().double().numpy()
+
+
+class WithGradientCanaries:
+    """One fit's update (``trainer.PlainUpdate`` or ``privacy.PrivateUpdate``) with the member
+    gradient canaries as extra privacy units, sampled as a prompt is: in each local iteration
+    with the update's sample rate q, then, in each of the ``ppo_epochs`` passes, into one of the
+    mini-batches uniformly. Under DP a sampled canary enters the real mechanism as ``rows_per_unit``
+    per-row gradient samples, so Opacus's per-prompt pooling, clipping and noise treat it as any
+    prompt; without DP it joins the mini-batch's mean gradient as one more unit."""
+
+    def __init__(self, update, canaries: GradientCanaries, members: np.ndarray, *, sample_rate: float,
+                 rows_per_unit: int, ppo_epochs: int, num_mini_batches: int, rng: np.random.Generator) -> None:
+        self.update, self.canaries, self.members = update, canaries, members
+        self.sample_rate, self.rows_per_unit, self.rng = sample_rate, rows_per_unit, rng
+        self.num_mini_batches, self.steps_per_iteration = num_mini_batches, ppo_epochs * num_mini_batches
+        self.private = update.mechanism is not None
+        self.params = update.optimizer.params if self.private else update.params
+        self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
+        self.steps, self.sampled, self.assigned, self.sizes = 0, members[:0], members[:0], []
+
+    def __getattr__(self, name):  # everything else is the real update's
+        return getattr(self.update, name)
+
+    def split(self, unit_count: int) -> list[np.ndarray]:
+        batches = self.update.split(unit_count)
+        self.sizes = [len(units) for units in batches]
+        return batches
+
+    def _present(self) -> np.ndarray:
+        """The canaries in this step's mini-batch (one call per step, empty ones included)."""
+        if self.steps % self.steps_per_iteration == 0:
+            self.sampled = self.members[self.rng.random(len(self.members)) < self.sample_rate]
+        batch = self.steps % self.num_mini_batches
+        if batch == 0:  # a new pass over the sampled units
+            self.assigned = self.rng.integers(self.num_mini_batches, size=len(self.sampled))
+        self.steps += 1
+        return self.sampled[self.assigned == batch]
+
+    def _gradients(self, present: np.ndarray) -> list[torch.Tensor]:
+        """(len(present), *shape) per weight tensor: the present canaries' gradients."""
+        out = [torch.zeros((len(present), *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
+        for row, index in enumerate(present):
+            flat = int(self.canaries.coordinates[index])
+            tensor = int(np.searchsorted(self.offsets, flat, side="right") - 1)
+            out[tensor][row].view(-1)[flat - self.offsets[tensor]] = self.canaries.norm * self.canaries.signs[index]
+        return out
+
+    def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
+        present = self._present()
+        if len(present):
+            rows = self._gradients(present)
+            for param, grads in zip(self.params, rows):
+                if self.private:  # rows_per_unit identical rows: pooled, they are the canary's gradient
+                    param.grad_sample = torch.cat([param.grad_sample, grads.repeat_interleave(self.rows_per_unit, 0)])
+                else:  # the mean over the mini-batch's units, the canaries included
+                    units = self.sizes[(self.steps - 1) % self.num_mini_batches]
+                    param.grad = (param.grad * units + grads.sum(0)) / (units + len(present))
+            if unit_of_row is not None:  # the canaries' rows are units of their own
+                first = int(unit_of_row.max()) + 1
+                extra = torch.arange(first, first + len(present), device=unit_of_row.device)
+                unit_of_row = torch.cat([unit_of_row, extra.repeat_interleave(self.rows_per_unit)])
+        return self.update.step(unit_of_row)
+
+    def noise_only_step(self) -> None:
+        present = self._present()
+        if not (len(present) and self.private):  # without DP an empty mini-batch takes no step
+            self.update.noise_only_step()
+            return
+        for param, grads in zip(self.params, self._gradients(present)):
+            param.grad_sample = grads.repeat_interleave(self.rows_per_unit, 0)
+        self.update.step()
+
+
+def plant_gradient_canaries(trainer, canaries: GradientCanaries, members: np.ndarray, rng: np.random.Generator):
+    """Make every fit of ``trainer`` (a ``LocalPPOTrainer``) run with the member canaries."""
+    from flwr_verl.privacy import sample_rate
+
+    real_start_fit = trainer.start_fit
+    cfg = trainer.config
+
+    @contextlib.contextmanager
+    def start_fit(**kwargs):
+        with real_start_fit(**kwargs) as fit:
+            q = (fit.update.mechanism.sample_rate if fit.update.mechanism is not None
+                 else sample_rate(cfg.data.train_batch_size, len(trainer.train_rows)))
+            yield dataclasses.replace(fit, update=WithGradientCanaries(
+                fit.update, canaries, members, sample_rate=q, rows_per_unit=cfg.rollout.n,
+                ppo_epochs=cfg.actor.ppo_epochs, num_mini_batches=trainer.num_mini_batches, rng=rng))
+
+    trainer.start_fit = start_fit
+
+
 def train_planted(engine: EngineConfig, federation: FederationConfig, planted: list[Row], *, planted_client: int = 0,
-                  num_clients: int = 2, models=None, compute_score=None, log=print) -> tuple[list[np.ndarray], float]:
+                  num_clients: int = 2, models=None, compute_score=None, plant=None,
+                  log=print) -> tuple[list[np.ndarray], float]:
     """Train the federation once, in one process, with ``planted`` rows added to partition
     ``planted_client``'s training prompts: the same ``VerlClient``s, strategy and typed messages
     as over Flower's wire (``inprocess.InProcessClients``), every client in every round, SecAgg+
     off (it hides individual updates from the server, not what the released model learned).
-    Returns the final global adapter arrays and the epsilon the planted client reported
+    ``plant(trainer)``, when given, is called on the planted client's ``LocalPPOTrainer``
+    (``plant_gradient_canaries``). Returns the final global adapter arrays and the epsilon the planted client reported
     (infinity without DP)."""
     from flwr_verl.client import VerlClient, cached_models
     from flwr_verl.inprocess import InProcessClients, fit_round
@@ -241,6 +368,8 @@ def train_planted(engine: EngineConfig, federation: FederationConfig, planted: l
         rows = load_rows(engine.data, "train", engine.trainer.seed, pid, num_clients)
         clients[str(pid)] = VerlClient(engine, rows + planted if pid == planted_client else rows, [], partition_id=pid,
                                        models=models, compute_score=compute_score)
+    if plant is not None:
+        plant(clients[str(planted_client)].trainer)
     federation = dataclasses.replace(
         federation, min_fit_clients=num_clients, min_available_clients=num_clients,
         min_evaluate_clients=num_clients, fraction_fit=1.0,
@@ -271,23 +400,35 @@ def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditCo
     rng = np.random.default_rng(audit.seed)
     models = models or cached_models(engine)
     initial = models.adapters.get_arrays()
-    prompts = make_canary_prompts(audit.canaries, rng)
-    before = answer_log_probs(models.policy, models.tokenizer, prompts)
-    canaries = make_canaries(prompts, before, rng)
-    included = rng.random(audit.canaries) < 0.5
+    weights = [p for p in models.policy.parameters() if p.requires_grad]
     score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
-    final, claimed = train_planted(engine, federation, [c for c, member in zip(canaries, included) if member],
-                                   planted_client=audit.canary_client, num_clients=num_clients, models=models,
-                                   compute_score=score, log=lambda line: log(f"audit: {line}"))
-    models.adapters.set_arrays(final)
-    after = answer_log_probs(models.policy, models.tokenizer, prompts)
+    train = functools.partial(train_planted, engine, federation, planted_client=audit.canary_client,
+                              num_clients=num_clients, models=models, compute_score=score,
+                              log=lambda line: log(f"audit: {line}"))
+    if audit.kind == "gradient":
+        canaries = GradientCanaries.draw(audit.canaries, sum(p.numel() for p in weights),
+                                         engine.privacy.max_grad_norm, rng)
+        included = rng.random(audit.canaries) < 0.5
+        before = flat_weights(weights)
+        final, claimed = train([], plant=functools.partial(plant_gradient_canaries, canaries=canaries,
+                                                           members=np.flatnonzero(included), rng=rng))
+        models.adapters.set_arrays(final)
+        scores = canaries.scores(before, flat_weights(weights))
+    else:
+        prompts = make_canary_prompts(audit.canaries, rng)
+        before = answer_log_probs(models.policy, models.tokenizer, prompts)
+        canary_rows = make_canaries(prompts, before, rng)
+        included = rng.random(audit.canaries) < 0.5
+        final, claimed = train([c for c, member in zip(canary_rows, included) if member])
+        models.adapters.set_arrays(final)
+        scores = score_canaries(before, answer_log_probs(models.policy, models.tokenizer, prompts), canary_rows)
     models.adapters.set_arrays(initial)  # a cached model goes back as it came
-    correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
+    correct = guess(scores, included, audit.guesses)
     delta = engine.privacy.delta if engine.privacy.enabled else 0.0
     bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
     return AuditResult(canaries=audit.canaries, guesses=audit.guesses, correct=correct, confidence=audit.confidence,
                        delta=delta, epsilon_lower_bound=bound, epsilon_claimed=claimed, members=int(included.sum()),
-                       seconds=time.perf_counter() - start)
+                       seconds=time.perf_counter() - start, kind=audit.kind)
 
 
 @contextlib.contextmanager
