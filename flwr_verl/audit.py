@@ -3,50 +3,70 @@
 Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (NeurIPS 2023):
 
 1. m canaries are drawn; each is included, independently with probability 1/2, in one
-   client's private prompts (``make_canaries``, ``run_audit``);
+   client's private data (``run_audit``);
 2. the federation trains once, as configured (in one process: ``inprocess.InProcessClients``,
    the same clients, strategy and typed messages as over Flower's wire; SecAgg+ only hides the
    individual updates from the server, it does not change the released model);
-3. every canary is scored black-box under the final global adapter: how much training raised
-   the log-odds of its secret against its alternative on its own prompt (``score_canaries``);
+3. every canary is scored under the final global adapter;
 4. the k top-scored canaries are guessed members and the k bottom-scored non-members;
 5. the number v of correct guesses out of r = 2k gives an epsilon that the mechanism cannot have
    at 95% confidence (``epsilon_lower_bound``, the paper's Theorem 5.2 / its Algorithm for
    (epsilon, delta)): under (epsilon, delta)-DP, P[v or more correct] <= P[Binomial(r,
    e^eps / (1 + e^eps)) >= v] + 2 m delta alpha, with alpha from the binomial's lower tail.
 
-Why these canaries suit RL on prompts. A canary is a prompt that occurs nowhere else (digits and
-dashes, ``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a response starts
-with it. The secret is drawn by a fair coin between the two answers the initial (public) policy
-finds likeliest on that prompt, and the other one is the canary's alternative
+Two kinds of canaries (``audit.kind``).
+
+**Gradient canaries (default, white-box; the paper's Dirac canaries, Section 6).** Canary i is a
+privacy unit whose gradient is ``privacy.max_grad_norm`` times a sign on one adapter weight and 0
+elsewhere (``GradientCanaries``). A member enters the canary client's real update exactly as a
+prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q each local
+iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as ``rollout.n``
+per-response gradient rows, so it goes through the per-prompt pooling, Opacus's clipping, the
+noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
+one more unit of the mini-batch's mean gradient. Its score is how far its weight moved against
+its sign. Two canaries share no weight, so a member moves only its own weight and a non-member's
+weight moves only by the task's gradients and the noise: no cross-talk. They audit the DP update
+and its accounting (a noise multiplier too small for the claim, clipping or pooling that lets a
+unit weigh more than ``max_grad_norm``, sampling that is not the accounted q); they cannot see a
+per-sample gradient that misses a layer or a coupling between prompts made earlier in the RL
+batch (prompt canaries can, in principle).
+
+**Prompt canaries (black-box), and why they suit RL on prompts.** A canary is a prompt that
+occurs nowhere else (``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a
+response starts with it. The secret is drawn by a fair coin between the two answers the initial
+(public) policy finds likeliest on that prompt, and the other one is the canary's alternative
 (``make_canaries``). So (a) the only way the model can learn which of the two is the secret is
 from the rewarded rollouts of that very prompt; (b) both answers are sampled often by the initial
 policy, so GRPO/RLOO see a reward difference within the prompt's group and the gradient is not
-zero (an RL update never sees a target it does not sample: a random digit that the policy gives
-probability 0.001 is never learned, and a long secret never sampled at all); (c) a non-member's
-score, the change of log p(secret) - log p(alternative), is as likely to be negative as
-positive whatever training did to the prompt, because the coin that named the secret is
-independent of training: general drift (training that sharpens or flattens every canary-like
-prompt) adds noise but no bias toward "member"; (d) one canary is one privacy unit of the DP
-guarantee (a prompt with all its responses and rewards), so the bound speaks about exactly what
-epsilon claims to protect.
+zero (an RL update never sees a target it does not sample); (c) a non-member's score, the change
+of log p(secret) - log p(alternative), is as likely to be negative as positive whatever training
+did to the prompt, because the coin that named the secret is independent of training; (d) one
+canary is one privacy unit of the DP guarantee (a prompt with all its responses and rewards).
 
-Power is not reached yet. On the small configuration of ``benchmarks/audit_power.py`` (2 clients,
-2 rounds of 30 iterations, 64 canaries, 16 guesses; 1.5-6 min a run on one busy thread) DP off
-gave 12 and 13 of 16 correct guesses (bounds 0.06 and 0.34; 15 of 16 are needed for 1.0). The
-limit is cross-talk, not learning: member canaries do learn their secrets (trained alone their
-scores rise by 1 to 8 nats), but the tiny model learns them as functions of shared prompt
-features, which moves a non-member's log-odds by up to about 4 nats either way. Tried in
-development, on synthetic canaries only: more iterations (120 per client: AUC 0.74), learning
-rates 1.5e-3 to 1e-2 (worse above 3e-3), one client, longer prompts, and white-box scores (the
-alignment of each canary's gradient with the model's change, at the initial or final adapter,
-raw, normalised, or deconvolved by (ridge) regression of the change on all canaries'
-gradients): none beat an AUC of about 0.8. The statistics are tested against the paper's
-formulas (tests/test_audit.py).
-The bound is a lower bound: a small value proves nothing about a large epsilon; one audit run
-with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
+Prompt canaries have no power on the embedded tiny model. On ``benchmarks/audit_power.py``'s
+earlier small configuration (64 canaries, 16 guesses, 2 rounds of 30 iterations) DP off gave 12
+and 13 of 16 correct (a bound of 1 needs 15), and 9 development runs of variants (below) gave 11
+to 16 of 16, an AUC of 0.68-0.82. Member canaries do learn (log-odds up by about 1-1.5 nats,
+p(secret) 0.42 -> 0.78 at the median), but a non-member's log-odds move as much: with no canary
+planted at all, training on the task alone moves them by 1.1-1.5 nats at the median (sd 1.3-1.9)
+for every prompt format tried (dashes, random digits, plus and minus signs, ``a+b+c=``, lengths
+6 to 17), and member canaries add cross-talk through shared features (the model learns smooth
+functions of the prompt; the median |cosine| between two canaries' gradients is 0.3 to 0.5).
+Tried in development, on other seeds than the reported ones, none above an AUC of about 0.8:
+more iterations (120 per client), learning rates 1.5e-3 to 1e-2, one client, longer prompts,
+128 canaries, canaries whose answer pairs share no digit, canaries chosen greedily for
+near-orthogonal gradients and a small projection on the task's gradients, subtracting the drift
+predicted from 300-1500 never-trained probe prompts (ridge regression on the initial hidden
+state: R^2 0.5-0.8 on probes, but it removes the members' generalising signal with the drift:
+member scores 1.28 -> 0.78 nats on average), and white-box alignment scores (the canary's
+gradient against the model's change, raw, normalised or deconvolved by ridge regression over all
+canaries' gradients).
 
-    flwr-verl-audit [run-config.toml] --set privacy.enabled=false --canaries 64 --guesses 16 --out audit.jsonl
+The bound is a lower bound: a small value proves nothing about a large epsilon, and one audit
+with r guesses can never exceed logit(0.05^(1/r)) (all guesses right: 1.58 at r = 16, 3.04 at
+r = 64), so a claim above that cannot be refuted by it.
+
+    flwr-verl-audit [run-config.toml] --set privacy.enabled=false --canaries 256 --guesses 64 --out audit.jsonl
 """
 
 from __future__ import annotations
