@@ -451,27 +451,44 @@ def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditCo
                        seconds=time.perf_counter() - start, kind=audit.kind)
 
 
+FLAWS = ("unclipped_noiseless", "unpooled")
+
+
 @contextlib.contextmanager
-def broken_mechanism():
-    """A deliberately broken DP mechanism, to check that the audit has power (never for training):
-    inside it, the trainer's DP optimizer clips at 1e6 and adds no noise, while the accountant
-    still records the configured noise multiplier, so the claimed epsilon is a lie that an audit
-    with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``)."""
-    from flwr_verl import trainer
+def broken_mechanism(flaw: str = "unclipped_noiseless"):
+    """A deliberately broken DP mechanism, to check that the audit has power (never for training);
+    the accountant still records the configured noise multiplier, so the claimed epsilon is a lie
+    that an audit with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``).
 
-    real = trainer.make_private
+    ``unclipped_noiseless``: the trainer's DP optimizer clips at 1e6 and adds no noise.
+    ``unpooled``: no per-prompt pooling: Opacus clips each response's gradient on its own, so a
+    prompt with n responses weighs up to n times ``max_grad_norm`` against noise calibrated for 1.
+    """
+    from flwr_verl import privacy, trainer
 
-    def broken(*args, **kwargs):
-        update = real(*args, **kwargs)
-        update.optimizer.max_grad_norm = 1e6
-        update.optimizer.noise_multiplier = 0.0
-        return update
+    if flaw not in FLAWS:
+        raise ValueError(f"flaw={flaw!r}: expected one of {', '.join(FLAWS)}")
+    if flaw == "unpooled":
+        module, name = privacy, "pool_units"
 
-    trainer.make_private = broken
+        def broken(params, rows_per_unit):
+            """Leave the per-response gradient samples as they are: each row is clipped as a unit."""
+    else:
+        module, name = trainer, "make_private"
+        real_make_private = trainer.make_private
+
+        def broken(*args, **kwargs):
+            update = real_make_private(*args, **kwargs)
+            update.optimizer.max_grad_norm = 1e6
+            update.optimizer.noise_multiplier = 0.0
+            return update
+
+    real = getattr(module, name)
+    setattr(module, name, broken)
     try:
         yield
     finally:
-        trainer.make_private = real
+        setattr(module, name, real)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -500,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as handle:
         handle.write(json.dumps(result.to_json()) + "\n")
-    print(f"{result.correct}/{result.guesses} guesses correct ({result.canaries} canaries): epsilon >= "
+    print(f"{result.correct}/{result.guesses} guesses correct ({result.canaries} {result.kind} canaries): epsilon >= "
           f"{result.epsilon_lower_bound:.3f} at {100 * result.confidence:g}% confidence; claimed epsilon "
           f"{result.epsilon_claimed:.3g} (delta {result.delta:g}); wrote {args.out}")
     return 0

@@ -130,6 +130,14 @@ def test_bad_audit_options_name_the_key(kwargs, key):
         AuditConfig(**kwargs)
 
 
+def test_an_unknown_flaw_is_refused():
+    from flwr_verl.audit import broken_mechanism
+
+    with pytest.raises(ValueError, match=r"flaw='unclipped': expected one of unclipped_noiseless, unpooled"):
+        with broken_mechanism("unclipped"):
+            pass
+
+
 def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
     from flwr_verl.audit import main
 
