@@ -280,8 +280,8 @@ class WithGradientCanaries:
     gradient canaries as extra privacy units, sampled as a prompt is: in each local iteration
     with the update's sample rate q, then, in each of the ``ppo_epochs`` passes, into one of the
     mini-batches uniformly. Under DP a sampled canary enters the real mechanism as ``rows_per_unit``
-    per-row gradient samples, so Opacus's per-prompt pooling, clipping and noise treat it as any
-    prompt; without DP it joins the mini-batch's mean gradient as one more unit."""
+    per-row gradient samples, so the per-prompt pooling and Opacus's clipping and noise treat it as
+    any prompt; without DP it joins the mini-batch's mean gradient as one more unit."""
 
     def __init__(self, update, canaries: GradientCanaries, members: np.ndarray, *, sample_rate: float,
                  rows_per_unit: int, ppo_epochs: int, num_mini_batches: int, rng: np.random.Generator) -> None:
