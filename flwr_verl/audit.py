@@ -16,7 +16,7 @@ Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (Ne
 
 Two kinds of canaries (``audit.kind``).
 
-**Gradient canaries (default, white-box; the paper's Dirac canaries, Section 6).** Canary i is a
+**Gradient canaries (default; the paper's white-box setting, with Dirac canaries).** Canary i is a
 privacy unit whose gradient is ``privacy.max_grad_norm`` times a sign on one adapter weight and 0
 elsewhere (``GradientCanaries``). A member enters the canary client's real update exactly as a
 prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q each local
@@ -250,7 +250,8 @@ def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
 # ----------------------------------------------------------------------------- gradient canaries
 @dataclass(frozen=True)
 class GradientCanaries:
-    """White-box Dirac canaries (Steinke et al. 2023, Section 6; Nasr et al. 2021): canary i is a
+    """White-box gradient canaries (Steinke et al. 2023's white-box setting; the Dirac canaries of
+    Nasr et al. 2023, "Tight Auditing of Differentially Private Machine Learning"): canary i is a
     privacy unit whose gradient is ``norm * signs[i]`` on the one adapter weight ``coordinates[i]``
     (a flat index over the trainable policy weights, in ``policy.parameters()`` order) and 0
     elsewhere, a loss gradient like any unit's. Its score is how far training moved that weight
