@@ -23,9 +23,11 @@ prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q e
 iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as ``rollout.n``
 per-response gradient rows, so it goes through the per-prompt pooling, Opacus's clipping, the
 noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
-one more unit of the mini-batch's mean gradient. Its score is how far its weight moved against
-its sign. Two canaries share no weight, so a member moves only its own weight and a non-member's
-weight moves only by the task's gradients and the noise: no cross-talk. They audit the DP update
+one more unit of the mini-batch's mean gradient. So a canary is one privacy unit of the RL
+update (a prompt with all its responses) in the worst case DP must cover: a unit gradient at the
+clipping norm, along a direction no other prompt pushes. Its score is how far its weight moved
+against its sign. Two canaries share no weight, so a member moves only its own weight and a
+non-member's weight moves only by the task's gradients and the noise: no cross-talk. They audit the DP update
 and its accounting (a noise multiplier too small for the claim, clipping or pooling that lets a
 unit weigh more than ``max_grad_norm``, sampling that is not the accounted q); they cannot see a
 per-sample gradient that misses a layer or a coupling between prompts made earlier in the RL
