@@ -27,11 +27,11 @@ one more unit of the mini-batch's mean gradient. So a canary is one privacy unit
 update (a prompt with all its responses) in the worst case DP must cover: a unit gradient at the
 clipping norm, along a direction no other prompt pushes. Its score is how far its weight moved
 against its sign. Two canaries share no weight, so a member moves only its own weight and a
-non-member's weight moves only by the task's gradients and the noise: no cross-talk. They audit the DP update
-and its accounting (a noise multiplier too small for the claim, clipping or pooling that lets a
-unit weigh more than ``max_grad_norm``, sampling that is not the accounted q); they cannot see a
-per-sample gradient that misses a layer or a coupling between prompts made earlier in the RL
-batch (prompt canaries can, in principle).
+non-member's weight moves only by the task's gradients and the noise: no cross-talk. They audit
+the DP update and its accounting (a noise multiplier too small for the claim, clipping or pooling
+that lets a unit weigh more than ``max_grad_norm``, sampling that is not the accounted q); they
+cannot see a per-sample gradient that misses a layer or a coupling between prompts made earlier
+in the RL batch (prompt canaries can, in principle).
 
 **Prompt canaries (black-box), and why they suit RL on prompts.** A canary is a prompt that
 occurs nowhere else (``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a
