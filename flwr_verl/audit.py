@@ -3,50 +3,72 @@
 Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run" (NeurIPS 2023):
 
 1. m canaries are drawn; each is included, independently with probability 1/2, in one
-   client's private prompts (``make_canaries``, ``run_audit``);
+   client's private data (``run_audit``);
 2. the federation trains once, as configured (in one process: ``inprocess.InProcessClients``,
    the same clients, strategy and typed messages as over Flower's wire; SecAgg+ only hides the
    individual updates from the server, it does not change the released model);
-3. every canary is scored black-box under the final global adapter: how much training raised
-   the log-odds of its secret against its alternative on its own prompt (``score_canaries``);
+3. every canary is scored under the final global adapter;
 4. the k top-scored canaries are guessed members and the k bottom-scored non-members;
 5. the number v of correct guesses out of r = 2k gives an epsilon that the mechanism cannot have
    at 95% confidence (``epsilon_lower_bound``, the paper's Theorem 5.2 / its Algorithm for
    (epsilon, delta)): under (epsilon, delta)-DP, P[v or more correct] <= P[Binomial(r,
    e^eps / (1 + e^eps)) >= v] + 2 m delta alpha, with alpha from the binomial's lower tail.
 
-Why these canaries suit RL on prompts. A canary is a prompt that occurs nowhere else (digits and
-dashes, ``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a response starts
-with it. The secret is drawn by a fair coin between the two answers the initial (public) policy
-finds likeliest on that prompt, and the other one is the canary's alternative
+Two kinds of canaries (``audit.kind``).
+
+**Gradient canaries (default; the paper's white-box setting, with Dirac canaries).** Canary i is a
+privacy unit whose gradient is ``privacy.max_grad_norm`` times a sign on one adapter weight and 0
+elsewhere (``GradientCanaries``). A member enters the canary client's real update exactly as a
+prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q each local
+iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as ``rollout.n``
+per-response gradient rows, so it goes through the per-prompt pooling, Opacus's clipping, the
+noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
+one more unit of the mini-batch's mean gradient. So a canary is one privacy unit of the RL
+update (a prompt with all its responses) in the worst case DP must cover: a unit gradient at the
+clipping norm, along a direction no other prompt pushes. Its score is how far its weight moved
+against its sign. Two canaries share no weight, so a member moves only its own weight and a
+non-member's weight moves only by the task's gradients and the noise: no cross-talk. They audit
+the DP update and its accounting (a noise multiplier too small for the claim, clipping or pooling
+that lets a unit weigh more than ``max_grad_norm``, sampling that is not the accounted q); they
+cannot see a per-sample gradient that misses a layer or a coupling between prompts made earlier
+in the RL batch (prompt canaries can, in principle).
+
+**Prompt canaries (black-box), and why they suit RL on prompts.** A canary is a prompt that
+occurs nowhere else (``<x>-<y>-<z>=``) whose secret answer is one digit; its reward is 1 when a
+response starts with it. The secret is drawn by a fair coin between the two answers the initial
+(public) policy finds likeliest on that prompt, and the other one is the canary's alternative
 (``make_canaries``). So (a) the only way the model can learn which of the two is the secret is
 from the rewarded rollouts of that very prompt; (b) both answers are sampled often by the initial
 policy, so GRPO/RLOO see a reward difference within the prompt's group and the gradient is not
-zero (an RL update never sees a target it does not sample: a random digit that the policy gives
-probability 0.001 is never learned, and a long secret never sampled at all); (c) a non-member's
-score, the change of log p(secret) - log p(alternative), is as likely to be negative as
-positive whatever training did to the prompt, because the coin that named the secret is
-independent of training: general drift (training that sharpens or flattens every canary-like
-prompt) adds noise but no bias toward "member"; (d) one canary is one privacy unit of the DP
-guarantee (a prompt with all its responses and rewards), so the bound speaks about exactly what
-epsilon claims to protect.
+zero (an RL update never sees a target it does not sample); (c) a non-member's score, the change
+of log p(secret) - log p(alternative), is as likely to be negative as positive whatever training
+did to the prompt, because the coin that named the secret is independent of training; (d) one
+canary is one privacy unit of the DP guarantee (a prompt with all its responses and rewards).
 
-Power is not reached yet. On the small configuration of ``benchmarks/audit_power.py`` (2 clients,
-2 rounds of 30 iterations, 64 canaries, 16 guesses; 1.5-6 min a run on one busy thread) DP off
-gave 12 and 13 of 16 correct guesses (bounds 0.06 and 0.34; 15 of 16 are needed for 1.0). The
-limit is cross-talk, not learning: member canaries do learn their secrets (trained alone their
-scores rise by 1 to 8 nats), but the tiny model learns them as functions of shared prompt
-features, which moves a non-member's log-odds by up to about 4 nats either way. Tried in
-development, on synthetic canaries only: more iterations (120 per client: AUC 0.74), learning
-rates 1.5e-3 to 1e-2 (worse above 3e-3), one client, longer prompts, and white-box scores (the
-alignment of each canary's gradient with the model's change, at the initial or final adapter,
-raw, normalised, or deconvolved by (ridge) regression of the change on all canaries'
-gradients): none beat an AUC of about 0.8. The statistics are tested against the paper's
-formulas (tests/test_audit.py).
-The bound is a lower bound: a small value proves nothing about a large epsilon; one audit run
-with r guesses can never exceed logit(0.05^(1/r)) (all guesses right).
+Prompt canaries have no power on the embedded tiny model. On ``benchmarks/audit_power.py``'s
+earlier small configuration (64 canaries, 16 guesses, 2 rounds of 30 iterations) DP off gave 12
+and 13 of 16 correct (a bound of 1 needs 15), and 9 development runs of variants (below) gave 11
+to 16 of 16, an AUC of 0.68-0.82. Member canaries do learn (log-odds up by about 1-1.5 nats,
+p(secret) 0.42 -> 0.78 at the median), but a non-member's log-odds move as much: with no canary
+planted at all, training on the task alone moves them by 1.1-1.5 nats at the median (sd 1.3-1.9)
+for every prompt format tried (dashes, random digits, plus and minus signs, ``a+b+c=``, lengths
+6 to 17), and member canaries add cross-talk through shared features (the model learns smooth
+functions of the prompt; the median |cosine| between two canaries' gradients is 0.3 to 0.5).
+Tried in development, on other seeds than the reported ones, none above an AUC of about 0.8:
+more iterations (120 per client), learning rates 1.5e-3 to 1e-2, one client, longer prompts,
+128 canaries, canaries whose answer pairs share no digit, canaries chosen greedily for
+near-orthogonal gradients and a small projection on the task's gradients, subtracting the drift
+predicted from 300-1500 never-trained probe prompts (ridge regression on the initial hidden
+state: R^2 0.5-0.8 on probes, but it removes the members' generalising signal with the drift:
+member scores 1.28 -> 0.78 nats on average), and white-box alignment scores (the canary's
+gradient against the model's change, raw, normalised or deconvolved by ridge regression over all
+canaries' gradients).
 
-    flwr-verl-audit [run-config.toml] --set privacy.enabled=false --canaries 64 --guesses 16 --out audit.jsonl
+The bound is a lower bound: a small value proves nothing about a large epsilon, and one audit
+with r guesses can never exceed logit(0.05^(1/r)) (all guesses right: 1.58 at r = 16, 3.04 at
+r = 64), so a claim above that cannot be refuted by it.
+
+    flwr-verl-audit [run-config.toml] --set privacy.enabled=false --canaries 256 --guesses 64 --out audit.jsonl
 """
 
 from __future__ import annotations
@@ -54,6 +76,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -71,6 +94,7 @@ from flwr_verl.data import Row, load_rows, prompt_text
 
 CANARY_SOURCE = "flwr_verl/canary"
 SECRETS = tuple("0123456789")  # the alphabet of secret answers
+CANARY_KINDS = ("gradient", "prompt")
 
 
 # ----------------------------------------------------------------------------- the statistics
@@ -115,13 +139,16 @@ def fewest_canaries(confidence: float) -> int:
 @dataclass
 class AuditConfig:
     """``canaries``: m; ``guesses``: r (k = r/2 guessed members, k non-members);
-    ``canary_client``: the partition whose data holds the included canaries."""
+    ``canary_client``: the partition whose data holds the included canaries; ``kind``: "gradient"
+    (white-box Dirac canaries in the canary client's update, ``GradientCanaries``) or "prompt"
+    (black-box prompt canaries in its training prompts, ``make_canaries``)."""
 
     canaries: int = 64
     guesses: int = 16
     confidence: float = 0.95
     canary_client: int = 0
     seed: int = 0
+    kind: str = "gradient"
 
     def __post_init__(self) -> None:
         least = fewest_canaries(self.confidence) if 0 < self.confidence < 1 else 1
@@ -132,6 +159,7 @@ class AuditConfig:
         require(self.guesses >= least and self.guesses % 2 == 0 and self.guesses <= self.canaries, "audit.guesses",
                 self.guesses, f"must be even, >= {least} and <= audit.canaries={self.canaries}")
         require(self.canary_client >= 0, "audit.canary_client", self.canary_client, "must be >= 0")
+        require(self.kind in CANARY_KINDS, "audit.kind", self.kind, f"must be one of {', '.join(CANARY_KINDS)}")
 
 
 @dataclass
@@ -145,6 +173,7 @@ class AuditResult:
     epsilon_claimed: float  # what the canary client reported (inf without DP)
     members: int
     seconds: float
+    kind: str = "gradient"
 
     def to_json(self) -> dict[str, Any]:
         return {"audit": {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
@@ -220,13 +249,134 @@ def guess(scores: np.ndarray, included: np.ndarray, guesses: int) -> int:
     return int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
 
 
+# ----------------------------------------------------------------------------- gradient canaries
+@dataclass(frozen=True)
+class GradientCanaries:
+    """White-box gradient canaries (Steinke et al. 2023's white-box setting; the Dirac canaries of
+    Nasr et al. 2023, "Tight Auditing of Differentially Private Machine Learning"): canary i is a
+    privacy unit whose gradient is ``norm * signs[i]`` on the one adapter weight ``coordinates[i]``
+    (a flat index over the trainable policy weights, in ``policy.parameters()`` order) and 0
+    elsewhere, a loss gradient like any unit's. Its score is how far training moved that weight
+    against its sign: the way gradient descent moves it when the canary is in the data."""
+
+    coordinates: np.ndarray  # (m,) distinct
+    signs: np.ndarray  # (m,) of +-1
+    norm: float
+
+    @classmethod
+    def draw(cls, count: int, num_weights: int, norm: float, rng: np.random.Generator) -> GradientCanaries:
+        require(count <= num_weights, "audit.canaries", count, f"must be <= the {num_weights} trainable weights")
+        return cls(coordinates=rng.choice(num_weights, size=count, replace=False),
+                   signs=rng.choice([-1.0, 1.0], size=count), norm=norm)
+
+    def scores(self, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+        """Each canary's weight change against its gradient, from flat weights before and after."""
+        return self.signs * (before[self.coordinates] - after[self.coordinates])
+
+
+def flat_weights(params: list[torch.nn.Parameter]) -> np.ndarray:
+    return torch.cat([p.detach().flatten() for p in params]).cpu().double().numpy()
+
+
+class WithGradientCanaries:
+    """One fit's update (``trainer.PlainUpdate`` or ``privacy.PrivateUpdate``) with the member
+    gradient canaries as extra privacy units, sampled as a prompt is: in each local iteration
+    with the update's sample rate q, then, in each of the ``ppo_epochs`` passes, into one of the
+    mini-batches uniformly. Under DP a sampled canary enters the real mechanism as ``rows_per_unit``
+    per-row gradient samples, so the per-prompt pooling and Opacus's clipping and noise treat it as
+    any prompt; without DP it joins the mini-batch's mean gradient as one more unit."""
+
+    def __init__(self, update, canaries: GradientCanaries, members: np.ndarray, *, sample_rate: float,
+                 rows_per_unit: int, ppo_epochs: int, num_mini_batches: int, rng: np.random.Generator) -> None:
+        self.update, self.canaries, self.members = update, canaries, members
+        self.sample_rate, self.rows_per_unit, self.rng = sample_rate, rows_per_unit, rng
+        self.num_mini_batches, self.steps_per_iteration = num_mini_batches, ppo_epochs * num_mini_batches
+        self.private = update.mechanism is not None
+        self.params = update.optimizer.params if self.private else update.params
+        self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
+        self.steps, self.sampled, self.assigned, self.sizes = 0, members[:0], members[:0], []
+
+    def __getattr__(self, name):  # everything else is the real update's
+        return getattr(self.update, name)
+
+    def split(self, unit_count: int) -> list[np.ndarray]:
+        batches = self.update.split(unit_count)
+        self.sizes = [len(units) for units in batches]
+        return batches
+
+    def _present(self) -> np.ndarray:
+        """The canaries in this step's mini-batch (one call per step, empty ones included)."""
+        if self.steps % self.steps_per_iteration == 0:
+            self.sampled = self.members[self.rng.random(len(self.members)) < self.sample_rate]
+        batch = self.steps % self.num_mini_batches
+        if batch == 0:  # a new pass over the sampled units
+            self.assigned = self.rng.integers(self.num_mini_batches, size=len(self.sampled))
+        self.steps += 1
+        return self.sampled[self.assigned == batch]
+
+    def _gradients(self, present: np.ndarray) -> list[torch.Tensor]:
+        """(len(present), *shape) per weight tensor: the present canaries' gradients."""
+        out = [torch.zeros((len(present), *p.shape), dtype=p.dtype, device=p.device) for p in self.params]
+        for row, index in enumerate(present):
+            flat = int(self.canaries.coordinates[index])
+            tensor = int(np.searchsorted(self.offsets, flat, side="right") - 1)
+            out[tensor][row].view(-1)[flat - self.offsets[tensor]] = self.canaries.norm * self.canaries.signs[index]
+        return out
+
+    def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
+        present = self._present()
+        if len(present):
+            rows = self._gradients(present)
+            for param, grads in zip(self.params, rows):
+                if self.private:  # rows_per_unit identical rows: pooled, they are the canary's gradient
+                    param.grad_sample = torch.cat([param.grad_sample, grads.repeat_interleave(self.rows_per_unit, 0)])
+                else:  # the mean over the mini-batch's units, the canaries included
+                    units = self.sizes[(self.steps - 1) % self.num_mini_batches]
+                    param.grad = (param.grad * units + grads.sum(0)) / (units + len(present))
+            if unit_of_row is not None:  # the canaries' rows are units of their own
+                first = int(unit_of_row.max()) + 1
+                extra = torch.arange(first, first + len(present), device=unit_of_row.device)
+                unit_of_row = torch.cat([unit_of_row, extra.repeat_interleave(self.rows_per_unit)])
+        return self.update.step(unit_of_row)
+
+    def noise_only_step(self) -> None:
+        present = self._present()
+        if not (len(present) and self.private):  # without DP an empty mini-batch takes no step
+            self.update.noise_only_step()
+            return
+        for param, grads in zip(self.params, self._gradients(present)):
+            param.grad_sample = grads.repeat_interleave(self.rows_per_unit, 0)
+        self.update.step()
+
+
+def plant_gradient_canaries(trainer, canaries: GradientCanaries, members: np.ndarray, rng: np.random.Generator):
+    """Make every fit of ``trainer`` (a ``LocalPPOTrainer``) run with the member canaries."""
+    from flwr_verl.privacy import sample_rate
+
+    real_start_fit = trainer.start_fit
+    cfg = trainer.config
+
+    @contextlib.contextmanager
+    def start_fit(**kwargs):
+        with real_start_fit(**kwargs) as fit:
+            q = (fit.update.mechanism.sample_rate if fit.update.mechanism is not None
+                 else sample_rate(cfg.data.train_batch_size, len(trainer.train_rows)))
+            yield dataclasses.replace(fit, update=WithGradientCanaries(
+                fit.update, canaries, members, sample_rate=q, rows_per_unit=cfg.rollout.n,
+                ppo_epochs=cfg.actor.ppo_epochs, num_mini_batches=trainer.num_mini_batches, rng=rng))
+
+    trainer.start_fit = start_fit
+
+
 def train_planted(engine: EngineConfig, federation: FederationConfig, planted: list[Row], *, planted_client: int = 0,
-                  num_clients: int = 2, models=None, compute_score=None, log=print) -> tuple[list[np.ndarray], float]:
+                  num_clients: int = 2, models=None, compute_score=None, plant=None,
+                  log=print) -> tuple[list[np.ndarray], float]:
     """Train the federation once, in one process, with ``planted`` rows added to partition
     ``planted_client``'s training prompts: the same ``VerlClient``s, strategy and typed messages
     as over Flower's wire (``inprocess.InProcessClients``), every client in every round, SecAgg+
     off (it hides individual updates from the server, not what the released model learned).
-    Returns the final global adapter arrays and the epsilon the planted client reported
+    ``plant(trainer)``, when given, is called on the planted client's ``LocalPPOTrainer``
+    (``plant_gradient_canaries``). Returns the final global adapter arrays and the epsilon the planted client reported
     (infinity without DP)."""
     from flwr_verl.client import VerlClient, cached_models
     from flwr_verl.inprocess import InProcessClients, fit_round
@@ -241,6 +391,8 @@ def train_planted(engine: EngineConfig, federation: FederationConfig, planted: l
         rows = load_rows(engine.data, "train", engine.trainer.seed, pid, num_clients)
         clients[str(pid)] = VerlClient(engine, rows + planted if pid == planted_client else rows, [], partition_id=pid,
                                        models=models, compute_score=compute_score)
+    if plant is not None:
+        plant(clients[str(planted_client)].trainer)
     federation = dataclasses.replace(
         federation, min_fit_clients=num_clients, min_available_clients=num_clients,
         min_evaluate_clients=num_clients, fraction_fit=1.0,
@@ -271,46 +423,75 @@ def run_audit(engine: EngineConfig, federation: FederationConfig, audit: AuditCo
     rng = np.random.default_rng(audit.seed)
     models = models or cached_models(engine)
     initial = models.adapters.get_arrays()
-    prompts = make_canary_prompts(audit.canaries, rng)
-    before = answer_log_probs(models.policy, models.tokenizer, prompts)
-    canaries = make_canaries(prompts, before, rng)
-    included = rng.random(audit.canaries) < 0.5
+    weights = [p for p in models.policy.parameters() if p.requires_grad]
     score = with_canary_reward(resolve_compute_score(engine.custom_reward_function, engine.data))
-    final, claimed = train_planted(engine, federation, [c for c, member in zip(canaries, included) if member],
-                                   planted_client=audit.canary_client, num_clients=num_clients, models=models,
-                                   compute_score=score, log=lambda line: log(f"audit: {line}"))
-    models.adapters.set_arrays(final)
-    after = answer_log_probs(models.policy, models.tokenizer, prompts)
+    train = functools.partial(train_planted, engine, federation, planted_client=audit.canary_client,
+                              num_clients=num_clients, models=models, compute_score=score,
+                              log=lambda line: log(f"audit: {line}"))
+    if audit.kind == "gradient":
+        canaries = GradientCanaries.draw(audit.canaries, sum(p.numel() for p in weights),
+                                         engine.privacy.max_grad_norm, rng)
+        included = rng.random(audit.canaries) < 0.5
+        before = flat_weights(weights)
+        final, claimed = train([], plant=functools.partial(plant_gradient_canaries, canaries=canaries,
+                                                           members=np.flatnonzero(included), rng=rng))
+        models.adapters.set_arrays(final)
+        scores = canaries.scores(before, flat_weights(weights))
+    else:
+        prompts = make_canary_prompts(audit.canaries, rng)
+        before = answer_log_probs(models.policy, models.tokenizer, prompts)
+        canary_rows = make_canaries(prompts, before, rng)
+        included = rng.random(audit.canaries) < 0.5
+        final, claimed = train([c for c, member in zip(canary_rows, included) if member])
+        models.adapters.set_arrays(final)
+        scores = score_canaries(before, answer_log_probs(models.policy, models.tokenizer, prompts), canary_rows)
     models.adapters.set_arrays(initial)  # a cached model goes back as it came
-    correct = guess(score_canaries(before, after, canaries), included, audit.guesses)
+    correct = guess(scores, included, audit.guesses)
     delta = engine.privacy.delta if engine.privacy.enabled else 0.0
     bound = epsilon_lower_bound(audit.canaries, audit.guesses, correct, delta, audit.confidence)
     return AuditResult(canaries=audit.canaries, guesses=audit.guesses, correct=correct, confidence=audit.confidence,
                        delta=delta, epsilon_lower_bound=bound, epsilon_claimed=claimed, members=int(included.sum()),
-                       seconds=time.perf_counter() - start)
+                       seconds=time.perf_counter() - start, kind=audit.kind)
+
+
+FLAWS = ("unclipped_noiseless", "unpooled")
 
 
 @contextlib.contextmanager
-def broken_mechanism():
-    """A deliberately broken DP mechanism, to check that the audit has power (never for training):
-    inside it, the trainer's DP optimizer clips at 1e6 and adds no noise, while the accountant
-    still records the configured noise multiplier, so the claimed epsilon is a lie that an audit
-    with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``)."""
-    from flwr_verl import trainer
+def broken_mechanism(flaw: str = "unclipped_noiseless"):
+    """A deliberately broken DP mechanism, to check that the audit has power (never for training);
+    the accountant still records the configured noise multiplier, so the claimed epsilon is a lie
+    that an audit with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``).
 
-    real = trainer.make_private
+    ``unclipped_noiseless``: the trainer's DP optimizer clips at 1e6 and adds no noise.
+    ``unpooled``: no per-prompt pooling: Opacus clips each response's gradient on its own, so a
+    prompt with n responses weighs up to n times ``max_grad_norm`` against noise calibrated for 1.
+    """
+    from flwr_verl import privacy, trainer
 
-    def broken(*args, **kwargs):
-        update = real(*args, **kwargs)
-        update.optimizer.max_grad_norm = 1e6
-        update.optimizer.noise_multiplier = 0.0
-        return update
+    if flaw not in FLAWS:
+        raise ValueError(f"flaw={flaw!r}: expected one of {', '.join(FLAWS)}")
+    if flaw == "unpooled":
+        module, name = privacy, "pool_units"
 
-    trainer.make_private = broken
+        def broken(params, rows_per_unit):
+            """Leave the per-response gradient samples as they are: each row is clipped as a unit."""
+    else:
+        module, name = trainer, "make_private"
+        real_make_private = trainer.make_private
+
+        def broken(*args, **kwargs):
+            update = real_make_private(*args, **kwargs)
+            update.optimizer.max_grad_norm = 1e6
+            update.optimizer.noise_multiplier = 0.0
+            return update
+
+    real = getattr(module, name)
+    setattr(module, name, broken)
     try:
         yield
     finally:
-        trainer.make_private = real
+        setattr(module, name, real)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -339,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as handle:
         handle.write(json.dumps(result.to_json()) + "\n")
-    print(f"{result.correct}/{result.guesses} guesses correct ({result.canaries} canaries): epsilon >= "
+    print(f"{result.correct}/{result.guesses} guesses correct ({result.canaries} {result.kind} canaries): epsilon >= "
           f"{result.epsilon_lower_bound:.3f} at {100 * result.confidence:g}% confidence; claimed epsilon "
           f"{result.epsilon_claimed:.3g} (delta {result.delta:g}); wrote {args.out}")
     return 0

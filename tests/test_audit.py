@@ -10,6 +10,8 @@ import scipy.stats
 
 from flwr_verl.audit import (
     AuditConfig,
+    GradientCanaries,
+    WithGradientCanaries,
     epsilon_lower_bound,
     fewest_canaries,
     guess,
@@ -121,10 +123,19 @@ def test_too_few_canaries_to_bound_anything():
     ({"guesses": 7}, r"audit\.guesses=7"),
     ({"canaries": 10, "guesses": 12}, r"audit\.guesses=12"),
     ({"confidence": 1.0}, r"audit\.confidence=1\.0"),
+    ({"kind": "dirac"}, r"audit\.kind='dirac' is invalid: must be one of gradient, prompt"),
 ])
 def test_bad_audit_options_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         AuditConfig(**kwargs)
+
+
+def test_an_unknown_flaw_is_refused():
+    from flwr_verl.audit import broken_mechanism
+
+    with pytest.raises(ValueError, match=r"flaw='unclipped': expected one of unclipped_noiseless, unpooled"):
+        with broken_mechanism("unclipped"):
+            pass
 
 
 def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
@@ -138,17 +149,54 @@ def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
     assert not out.exists()
 
 
+# ----------------------------------------------------------------------------- gradient canaries
+def test_gradient_canaries_score_the_descent_along_their_own_weight():
+    canaries = GradientCanaries.draw(5, 100, 1.0, np.random.default_rng(0))
+    assert len(set(canaries.coordinates)) == 5 and set(canaries.signs) <= {-1.0, 1.0}
+    before = np.zeros(100)
+    after = before.copy()
+    after[canaries.coordinates[2]] -= 0.3 * canaries.signs[2]  # a descent step on canary 2's gradient
+    after[canaries.coordinates[4]] += 0.3 * canaries.signs[4]  # an ascent on canary 4's
+    assert np.allclose(canaries.scores(before, after), [0, 0, 0.3, 0, -0.3])
+    with pytest.raises(ConfigError, match=r"audit\.canaries=101 is invalid: must be <= the 100 trainable weights"):
+        GradientCanaries.draw(101, 100, 1.0, np.random.default_rng(0))
+
+
+def test_a_sampled_gradient_canary_is_one_more_unit_of_the_plain_mean():
+    """Without DP, a member canary sampled into a mini-batch of U prompts joins the mean gradient
+    as unit U+1; a non-member never touches the gradient."""
+    import torch
+
+    from flwr_verl.proximal import Proximal
+    from flwr_verl.trainer import PlainUpdate
+
+    weights = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    plain = PlainUpdate(torch.optim.SGD(weights, lr=1.0), weights, Proximal.none(), grad_clip=1e9,
+                        num_mini_batches=1, rng=np.random.default_rng(0))
+    canaries = GradientCanaries(coordinates=np.array([1, 4]), signs=np.array([1.0, -1.0]), norm=2.0)
+    update = WithGradientCanaries(plain, canaries, members=np.array([1]), sample_rate=1.0, rows_per_unit=4,
+                                  ppo_epochs=1, num_mini_batches=1, rng=np.random.default_rng(0))
+    assert len(update.split(3)[0]) == 3
+    for weight in weights:
+        weight.grad = torch.ones_like(weight)  # the mean gradient of the 3 prompts
+    update.step()
+    # member 1 (flat index 4 = weights[1][0, 1], sign -1, norm 2): (3 * 1 - 2) / 4; SGD at lr 1 descends
+    assert torch.equal(weights[0].detach(), torch.full((3,), -0.75))
+    assert torch.equal(weights[1].detach(), torch.tensor([[-0.75, -0.25], [-0.75, -0.75]]))
+
+
 # ----------------------------------------------------------------------------- power
-# The small configuration on which the audit must show power (a minute or two on one thread):
-# two clients, the canary client with 16 task prompts besides its member canaries.
+# The small configuration on which the audit must show power (under a minute on one thread), the
+# default of benchmarks/audit_power.py: two clients of 16 task prompts each, 2 rounds of 10
+# iterations, 256 gradient canaries in client 0's update, 64 guesses (a bound of 3.04 at most).
+POWER_ITERATIONS = 10
 POWER = {
     "data": {"train_size": 16, "val_size": 8, "train_batch_size": 16},
     "rollout": {"n": 8, "response_length": 3},
     "actor": {"ppo_mini_batch_size": 16},
-    "trainer": {"local_iterations": 30},
+    "trainer": {"local_iterations": POWER_ITERATIONS},
 }
-POWER_ROUNDS = 2
-POWER_AUDIT = AuditConfig(canaries=64, guesses=16)
+POWER_AUDIT = AuditConfig(canaries=256, guesses=64)
 
 
 def _power_audit(**privacy):
@@ -158,24 +206,17 @@ def _power_audit(**privacy):
     from flwr_verl.config import FederationConfig, engine_config
 
     engine = engine_config(privacy=privacy, **POWER)
-    federation = dataclasses.replace(FederationConfig(), num_server_rounds=POWER_ROUNDS)
+    federation = dataclasses.replace(FederationConfig(), num_server_rounds=2)
     return run_audit(engine, federation, POWER_AUDIT, num_clients=2, log=lambda line: None)
 
 
-# Not reached yet (benchmarks/audit_power.py: DP off gives 12-14 of 16 correct, a bound of 0.06-0.65):
-# strict, so that the day the audit gets this power the tests say so.
-NOT_YET_POWERFUL = pytest.mark.xfail(strict=True, reason="the audit has no bound >= 1 on the small config yet")
-
-
 @pytest.mark.audit
-@NOT_YET_POWERFUL
 def test_without_dp_the_audit_bounds_epsilon_above_one():
     result = _power_audit(enabled=False)
     assert result.epsilon_lower_bound >= 1.0, result
 
 
 @pytest.mark.audit
-@NOT_YET_POWERFUL
 def test_a_mechanism_that_drops_clipping_and_noise_is_caught():
     """A test double of the DP update that clips at 1e6 and adds no noise, while the accountant
     still records the configured noise multiplier: the audit's bound exceeds the claimed epsilon."""
@@ -188,7 +229,9 @@ def test_a_mechanism_that_drops_clipping_and_noise_is_caught():
 
 
 @pytest.mark.audit
-def test_with_dp_at_epsilon_eight_the_bound_stays_below_the_claim():
-    result = _power_audit(enabled=True, target_epsilon=8.0, deterministic=True)
-    assert result.epsilon_claimed <= 8.0 + 1e-3
+def test_with_dp_at_epsilon_one_the_bound_stays_below_the_claim():
+    """A claim the audit can refute: 64 guesses bound epsilon at 3.04 at most, so at a claim of 8
+    this check could not fail; at 1 it fails if the mechanism leaks more than it claims."""
+    result = _power_audit(enabled=True, target_epsilon=1.0, deterministic=True)
+    assert result.epsilon_claimed <= 1.0 + 1e-3
     assert result.epsilon_lower_bound <= result.epsilon_claimed, result
