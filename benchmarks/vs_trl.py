@@ -228,6 +228,10 @@ def main() -> None:
         print("RESULT" + json.dumps(flwr_verl_child(size, args.warmup, args.iterations, args.seed)))
         return
 
+    if not args.peer.is_file():
+        parser.error(f"--peer {args.peer}: no such file (the peer script, ../shared/peer/bench_trl.py from the repo)")
+    if not Path(args.trl_python).is_file():
+        parser.error(f"--trl-python {args.trl_python}: no such file (a venv with trl==1.16.0 torch==2.13.0)")
     trl_runs, ours = [], []
     for repeat in range(args.repeats):
         trl_runs.append(run_trl(args.trl_python, args.peer, args.size, args.clock, args.warmup, args.iterations))
