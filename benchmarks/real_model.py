@@ -107,7 +107,8 @@ def summarize(records: list[dict]) -> list[dict]:
         fit = record.get("fit") or {}
         rows.append({"round": record["round"], "accuracy": evaluation.get("accuracy"),
                      "reward": evaluation.get("reward"), "round_seconds": record.get("seconds"),
-                     "evaluate_seconds": evaluation.get("seconds"), "epsilon": fit.get("epsilon_total")})
+                     "evaluate_seconds": evaluation.get("seconds"), "epsilon": fit.get("epsilon_total"),
+                     "update_max_abs": record.get("update_max_abs")})
     return rows
 
 
@@ -153,7 +154,8 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1))
     for row in rounds:
         seconds = "" if row["round_seconds"] is None else f" | round {row['round_seconds']:.0f} s"
-        epsilon = "" if row["epsilon"] is None else f" | epsilon {row['epsilon']:.2f}"
+        epsilon = "" if row["epsilon"] is None else (f" | epsilon {row['epsilon']:.2f}"
+                                                       f" | max |update| {row['update_max_abs']:.2g}")
         print(f"round {row['round']}: held-out accuracy {row['accuracy']:.3f}, reward {row['reward']:.3f}"
               f"{seconds} | evaluation {row['evaluate_seconds']:.0f} s{epsilon}")
     print(f"client actors: {len(actors)}, peak RSS {', '.join(f'{a:.0f}' for a in actors)} MiB; "
