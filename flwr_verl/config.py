@@ -106,6 +106,7 @@ class DataConfig:
     partition: str = "iid"  # how a dataset is split across clients: iid | dirichlet
     dirichlet_alpha: float = 0.5
     partition_by: str = "data_source"  # the row field whose values the dirichlet split skews
+    format_instruction: str = ""  # appended to every generated prompt: how to state the answer (task generators)
 
     def __post_init__(self) -> None:
         require(
@@ -118,6 +119,9 @@ class DataConfig:
         require(self.max_prompt_length > 0, "data.max_prompt_length", self.max_prompt_length, "must be > 0")
         require(self.partition in ("iid", "dirichlet"), "data.partition", self.partition, "allowed: iid, dirichlet")
         require(self.dirichlet_alpha > 0, "data.dirichlet_alpha", self.dirichlet_alpha, "must be > 0")
+        require(not (self.format_instruction and self.train_files), "data.format_instruction",
+                self.format_instruction, "applies to task generators only: with data.train_files the rows carry "
+                "their own prompts; leave it empty")
 
 
 @dataclass

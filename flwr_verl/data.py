@@ -241,8 +241,20 @@ def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, 
         if size == 0:
             return []
         source = f"data.task={config.task!r}"
-        rows = task_rows(config.task, size * num_partitions, seed, split)
+        rows = with_format_instruction(task_rows(config.task, size * num_partitions, seed, split),
+                                       config.format_instruction)
     return partition_rows(rows, partition_id, num_partitions, config, seed, source=source)
+
+
+def with_format_instruction(rows: list[Row], instruction: str) -> list[Row]:
+    """``rows`` with ``instruction`` (``data.format_instruction``) appended to each prompt's last
+    message, on a new line: it tells the model how to state its answer, in the form the task's
+    scorer reads (reasoning-gym's scorers compare the whole response with the answer)."""
+    if not instruction:
+        return rows
+    return [{**row, "prompt": [*row["prompt"][:-1],
+                               {**row["prompt"][-1], "content": f"{row['prompt'][-1]['content']}\n{instruction}"}]}
+            for row in rows]
 
 
 def load_stage_units(config: DataConfig, split: str, seed: int, partition_id: int, num_partitions: int, *,
