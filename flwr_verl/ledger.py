@@ -15,7 +15,8 @@ SFT or a reward model on a client's private prompts and PPO on the same prompts 
 account, and disjoint prompt sets keep their own. A changed prompt set is a new entry, and so
 is a *different subset* of the same prompts: an overlap that is not the whole set is not
 pooled, so keep a data set's prompts fixed across runs and stages, or account the overlap
-yourself (``privacy.compose``).
+yourself (``privacy.compose``). Ledgers written before this key (a hash of the whole rows) keep
+their entries, which ``show`` lists, but a new spend on the same data starts a new entry.
 
 **Check and spend in one transaction.** ``spend`` opens ``BEGIN IMMEDIATE`` (SQLite's write
 lock: a second spender waits, up to ``timeout``), reads the data set's history, refuses if the
