@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import tempfile
@@ -57,8 +58,10 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
     from flwr_verl.stages import load_stage_rows
     from flwr_verl.strategy import FedProxAdapters
 
+    privacy_config = ({"privacy.deterministic": True, "privacy.target_epsilon": args.epsilon} if args.epsilon
+                      else {"privacy.enabled": False})
     run = parse_run_config({
-        "privacy.deterministic": True, "privacy.target_epsilon": args.epsilon, "trainer.seed": args.seed,
+        **privacy_config, "trainer.seed": args.seed,
         "trainer.local_iterations": args.local_iterations, "proximal-mu": args.proximal_mu,
         "min-fit-clients": args.clients, "min-evaluate-clients": args.clients, "min-available-clients": args.clients,
         **run_config})
@@ -77,8 +80,8 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
         results, _ = fit_round(strategy, InProcessClients(clients), server_round, secure=True)
         models.adapters.set_arrays(strategy.global_arrays)
         reports = [FitReport.from_metrics(res.metrics).privacy for _, res in results]
-        privacy.append({"epsilon": max(r.epsilon_total for r in reports),
-                        "noise_multiplier": reports[0].noise_multiplier})
+        privacy.append({"epsilon": max(r.epsilon_total for r in reports) if args.epsilon else math.inf,
+                        "noise_multiplier": reports[0].noise_multiplier if args.epsilon else 0.0})
         curve.append(evaluate())
         print(f"    round {server_round}: {curve[-1]}, epsilon {privacy[-1]['epsilon']:.2f}", flush=True)
     return curve, privacy
@@ -137,7 +140,7 @@ def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=3)
-    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--epsilon", type=float, default=8.0, help="each stage's; 0: without DP (the ceiling)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local-iterations", type=int, default=10)
     parser.add_argument("--proximal-mu", type=float, default=0.01)
