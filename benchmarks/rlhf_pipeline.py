@@ -87,6 +87,19 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
     return curve, privacy
 
 
+def near_miss_kinds(units: list) -> dict[str, list]:
+    """The held-out pairs by how the rejected answer misses (``preference.near_misses``): off by
+    +-1 or +-10, or the digits swapped; one single-pair unit per pair."""
+    from flwr_verl.preference import PreferenceUnit
+
+    kinds: dict[str, list] = {}
+    for unit in units:
+        for chosen, rejected in unit.pairs:
+            kind = {1: "+1", -1: "-1", 10: "+10", -10: "-10"}.get(int(rejected) - int(chosen), "swapped")
+            kinds.setdefault(kind, []).append(PreferenceUnit(unit.data_source, unit.prompt, [(chosen, rejected)]))
+    return kinds
+
+
 def stage1(args, workdir: Path) -> dict:
     from flwr_verl.config import parse_run_config
     from flwr_verl.preference import LocalRewardModelTrainer, build_reward_model_trainee, export_merged, load_units
@@ -103,11 +116,13 @@ def stage1(args, workdir: Path) -> dict:
     print(f"stage 1: {sum(len(u.pairs) for u in held_out)} held-out pairs ({args.eval_split} split)", flush=True)
     start = time.perf_counter()
     curve, privacy = federate(args, run_config, models, lambda: scorer.evaluate(held_out).accuracy)
+    by_kind = {kind: scorer.evaluate(units).accuracy for kind, units in near_miss_kinds(held_out).items()}
+    print(f"stage 1: final held-out pairwise accuracy by near miss {by_kind}", flush=True)
     models.adapters.save(workdir / "final")
     merged = export_merged(workdir / "final" / "reward_model", workdir / "merged", config.model)
-    return {"pairwise_accuracy_per_round": curve, "privacy_per_round": privacy,
-            "held_out_pairs": sum(len(u.pairs) for u in held_out), "seconds": time.perf_counter() - start,
-            "merged": str(merged)}
+    return {"pairwise_accuracy_per_round": curve, "final_accuracy_by_near_miss": by_kind,
+            "privacy_per_round": privacy, "held_out_pairs": sum(len(u.pairs) for u in held_out),
+            "seconds": time.perf_counter() - start, "merged": str(merged)}
 
 
 def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -> dict:

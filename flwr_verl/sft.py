@@ -137,8 +137,9 @@ def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
 # ----------------------------------------------------------------------------- sequences
 def response_sequences(units: list[SFTUnit], tokenizer, max_prompt_length: int) -> list[tuple[list[int], int]]:
     """Every example of ``units`` (``SFTUnit.examples``: its earlier turns and responses, unit by
-    unit) as (token ids, prompt length): the prompt as the rollout encodes it (``data.prompt_text``, cut from the left to ``max_prompt_length`` tokens), then
-    the response's tokens and EOS."""
+    unit) as (token ids, prompt length): the prompt as the rollout encodes it
+    (``data.prompt_text``, cut from the left to ``max_prompt_length`` tokens), then the
+    response's tokens and EOS."""
     examples = [example for unit in units for example in unit.examples()]
     tokenizer.truncation_side = "left"  # as rollout.generate: keep the end of an overlong prompt
     prompts = tokenizer([prompt_text({"prompt": messages}, tokenizer) for messages, _ in examples],

@@ -3,8 +3,9 @@
 In this process: a second run on the same data continues from the first run's epsilon, and the
 node's own budget holds whatever the run config says; the server neither sends nor keys by
 what a client says of itself; a changed prompt set is a new entry, the same prompts one entry
-in every stage; a crash after the ledger write over-counts; ``privacy.metrics`` and ``privacy.num_examples``; bad ledger paths. In two real
-processes: concurrent spenders never exceed the budget.
+in every stage; a crash after the ledger write over-counts; ``privacy.metrics`` and
+``privacy.num_examples``; bad ledger paths. In two real processes: concurrent spenders never
+exceed the budget.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def test_trls_prompt_completion_rows_read_as_prompt_and_response(tmp_path):
     """TRL's prompt-completion format, plain and conversational, gives the units that ``prompt``
     and ``response`` give."""
     path = tmp_path / "completion.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "completion": "2"}, {"prompt": "1+1=", "completion": "two"}]),
-                   path)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "completion": "2"},
+                                         {"prompt": "1+1=", "completion": "two"}]), path)
     chat = tmp_path / "chat_completion.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1+1="}],
                                           "completion": [{"role": "assistant", "content": "2"}]}]), chat)
