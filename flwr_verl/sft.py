@@ -24,10 +24,10 @@ turn as the response.
 **Objective.** ``sft_loss``: each response's (or assistant turn's) mean negative log-likelihood
 over its tokens (verl's ``logprobs_from_logits``), each unit's mean over its responses and
 turns, the mean over units. Safe under DP: a unit's term depends on its own responses alone,
-and Opacus's per-row gradients are pooled per unit (``privacy.pool_rows``) before clipping. ``actor.loss_agg_mode`` does not apply
-(verl's ``token-mean`` would couple units). The loop, the accounting, FedProx, SecAgg+ and the
-run directory are the other stages' (``supervised.UnitTrainer``); in the training summary
-``pg_loss`` is the SFT loss.
+and Opacus's per-row gradients are pooled per unit (``privacy.pool_rows``) before clipping.
+``actor.loss_agg_mode`` does not apply (verl's ``token-mean`` would couple units). The loop,
+the accounting, FedProx, SecAgg+ and the run directory are the other stages'
+(``supervised.UnitTrainer``); in the training summary ``pg_loss`` is the SFT loss.
 
 **Evaluation.** On held-out units, round 0 included: ``response_loss``, the mean over units of
 the loss above (Flower's evaluation loss), and exact match (``accuracy`` and ``reward``): the
