@@ -44,18 +44,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def validation_problems(limit: int) -> list[dict]:
-    """Every problem of the task's validation split as verl rows (or a fixed sample of ``limit``)."""
+def validation_problems(limit: int, split: str = "val") -> list[dict]:
+    """Every problem of the task's validation split (or of ``split``) as verl rows (or a fixed
+    sample of ``limit``)."""
     import random
 
     from flwr_verl import embedded
 
-    problems = embedded.split_problems("val")
+    problems = embedded.split_problems(split)
     if limit:
         problems = random.Random(12345).sample(problems, min(limit, len(problems)))
     return [
         {"data_source": embedded.DATA_SOURCE, "prompt": [{"role": "user", "content": prompt}],
-         "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": "val"}}
+         "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": split}}
         for prompt, answer in problems
     ]
 

@@ -88,7 +88,7 @@ from flwr_verl.ledger import (
     LedgerError,
     PrivacyLedger,
     default_path,
-    fingerprint_rows,
+    fingerprint_prompts,
 )
 from flwr_verl.models import Models, check_lengths
 from flwr_verl.privacy import (
@@ -115,7 +115,7 @@ from flwr_verl.protocol import (
 from flwr_verl.reward_model import PATH_KEY, RewardModel, load_reward_model
 from flwr_verl.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.secagg import check_update, exact_update
-from flwr_verl.stages import build_stage_models, load_stage_rows, unit_trainer
+from flwr_verl.stages import build_stage_models, load_stage_rows, unit_prompts, unit_trainer
 from flwr_verl.trainer import LocalPPOTrainer
 
 NODE_EPSILON_BUDGET = "epsilon-budget"  # node-config key: this node's own budget, when stricter than the run's
@@ -409,9 +409,10 @@ class VerlClient(NumPyClient):
     # ------------------------------------------------------------------ privacy state
     @functools.cached_property
     def data_set(self) -> DataSetKey:
-        """What this client's spends are recorded against: its training rows' hash and the unit
-        (computed on the first fit: evaluation and preflight messages do not need it)."""
-        return DataSetKey(fingerprint_rows(self.train_rows), PRIVACY_UNIT,
+        """What this client's spends are recorded against: its training prompts' hash, the same in
+        every stage (``ledger.py``'s key), and the unit (computed on the first fit: evaluation and
+        preflight messages do not need it)."""
+        return DataSetKey(fingerprint_prompts(unit_prompts(self.config, self.train_rows)), PRIVACY_UNIT,
                           f"{describe_source(self.config)}, partition {self.partition_id}, "
                           f"{len(self.train_rows)} prompts")
 

@@ -5,11 +5,18 @@ organisation controls (node config ``privacy-ledger``; default ``$FLWR_HOME/flwr
 privacy-ledger.sqlite``, Flower's own state directory, ``~/.flwr`` unless ``FLWR_HOME`` is set),
 and is the only source of truth for a client's spent epsilon: the server never sends one.
 
-**Key.** A ``DataSetKey``: the SHA-256 of the data set's content (the node's training rows, as
-loaded: the same prompts from parquet files or a generator give the same key, whatever run,
-federation or stage uses them) plus the privacy unit. A changed data set is a new entry. A
-*different subset* of the same prompts is also a different entry: keep a data set's rows fixed
-across runs, or its spends are not pooled.
+**Key.** A ``DataSetKey``: the SHA-256 of the data set's distinct prompts
+(``fingerprint_prompts``; each prompt's messages by role and content, in any order, repeats
+counted once) plus the privacy unit. The privacy unit is a prompt with everything attached to
+it, so the key is the prompts alone: whatever run, federation or **stage** uses the same
+prompts spends one budget. A prompt's policy row (verl's format, ground truth aside), its SFT
+unit (its responses) and its preference unit (its pairs) key alike (``stages.unit_prompts``), so
+SFT or a reward model on a client's private prompts and PPO on the same prompts compose in one
+account, and disjoint prompt sets keep their own. A changed prompt set is a new entry, and so
+is a *different subset* of the same prompts: an overlap that is not the whole set is not
+pooled, so keep a data set's prompts fixed across runs and stages, or account the overlap
+yourself (``privacy.compose``). Ledgers written before this key (a hash of the whole rows) keep
+their entries, which ``show`` lists, but a new spend on the same data starts a new entry.
 
 **Check and spend in one transaction.** ``spend`` opens ``BEGIN IMMEDIATE`` (SQLite's write
 lock: a second spender waits, up to ``timeout``), reads the data set's history, refuses if the
@@ -90,15 +97,11 @@ class DataSetKey:
     description: str = ""
 
 
-def _plain(value: Any) -> Any:
-    """JSON for what parquet rows hold beyond JSON (numpy arrays and scalars)."""
-    return value.tolist() if hasattr(value, "tolist") else str(value)
-
-
-def fingerprint_rows(rows: Iterable[dict]) -> str:
-    """SHA-256 of a data set's rows, independent of their order."""
-    digests = sorted(hashlib.sha256(json.dumps(row, sort_keys=True, default=_plain).encode()).digest()
-                     for row in rows)
+def fingerprint_prompts(prompts: Iterable[list[dict]]) -> str:
+    """SHA-256 of a data set's distinct prompts, each a list of {'role', 'content'} messages (other
+    message fields are ignored), independent of their order and of repeats."""
+    digests = sorted({hashlib.sha256(json.dumps([[m["role"], m["content"]] for m in prompt]).encode()).digest()
+                      for prompt in prompts})
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 

@@ -100,7 +100,11 @@ def near_misses(answer: int, count: int, rng: random.Random) -> list[int]:
     return rng.sample(candidates, min(count, len(candidates)))
 
 
-PAIRS_PER_PROMPT = 2  # embedded demo: near misses per problem
+# Embedded demo: near misses per problem; 5 is every one there is (+-1, +-10, digits swapped). The
+# privacy unit is the prompt with all its pairs, so more pairs cost no epsilon. Chosen on the tune
+# split under DP (one client, 1536 prompts, epsilon 8, 60 iterations of 64): pairwise accuracy
+# 0.57 against 0.53 with 2.
+PAIRS_PER_PROMPT = 5
 
 
 def arithmetic_units(num_prompts: int, seed: int, split: str) -> list[PreferenceUnit]:

@@ -3,25 +3,31 @@ client's part. Its final adapter (``adapters/final/policy``) is what a later ``p
 starts from (``model.init_adapter``).
 
 **Data.** Parquet rows with ``prompt`` and ``response``, each plain text (or ``prompt`` a list
-of messages), or TRL's conversational format: ``messages``, a list of {'role', 'content'}
-messages whose last is the assistant's response and whose others are the prompt. A malformed
-row fails when loaded, with the file, the row and the field. Rows that share a prompt form one
-**privacy unit** (``SFTUnit``): the prompt with all its responses. With the embedded task (no
+of messages); TRL's prompt-completion format, ``prompt`` and ``completion`` (plain text, or
+conversational: ``prompt`` a list of messages, ``completion`` a list of assistant messages); or
+TRL's conversational format: ``messages``, a list of {'role', 'content'} messages whose last is
+the assistant's response and whose others are the prompt. In a multi-turn ``messages`` row every
+assistant turn is trained on (TRL's assistant-only loss), each after the messages before it;
+only the last is evaluated. A malformed row fails when loaded, with the file, the row and the
+field. Rows that share a prompt form one **privacy unit** (``SFTUnit``): the prompt with all its
+responses (and a conversation's earlier assistant turns). With the embedded task (no
 files) the units are the arithmetic problems of the split, the response the correct sum: the
 held-out prompts are in no training split.
 
 **Text.** The prompt as the policy sees it when it generates (``data.prompt_text``: the chat
 template with its generation prompt, or BOS and the prompt), cut from the left to
 ``data.max_prompt_length`` tokens as the rollout cuts it, then the response's tokens and EOS:
-the sequence the policy would produce. The loss is on the response tokens and EOS only.
+the sequence the policy would produce. The loss is on the response tokens and EOS only. An
+earlier assistant turn is one more such sequence: the messages before it as the prompt, the
+turn as the response.
 
-**Objective.** ``sft_loss``: each response's mean negative log-likelihood over its tokens
-(verl's ``logprobs_from_logits``), each unit's mean over its responses, the mean over units. Safe
-under DP: a unit's term depends on its own responses alone, and Opacus's per-row gradients are
-pooled per unit (``privacy.pool_rows``) before clipping. ``actor.loss_agg_mode`` does not apply
-(verl's ``token-mean`` would couple units). The loop, the accounting, FedProx, SecAgg+ and the
-run directory are the other stages' (``supervised.UnitTrainer``); in the training summary
-``pg_loss`` is the SFT loss.
+**Objective.** ``sft_loss``: each response's (or assistant turn's) mean negative log-likelihood
+over its tokens (verl's ``logprobs_from_logits``), each unit's mean over its responses and
+turns, the mean over units. Safe under DP: a unit's term depends on its own responses alone,
+and Opacus's per-row gradients are pooled per unit (``privacy.pool_rows``) before clipping.
+``actor.loss_agg_mode`` does not apply (verl's ``token-mean`` would couple units). The loop,
+the accounting, FedProx, SecAgg+ and the run directory are the other stages'
+(``supervised.UnitTrainer``); in the training summary ``pg_loss`` is the SFT loss.
 
 **Evaluation.** On held-out units, round 0 included: ``response_loss``, the mean over units of
 the loss above (Flower's evaluation loss), and exact match (``accuracy`` and ``reward``): the
@@ -32,7 +38,7 @@ of its references, stripped of surrounding whitespace.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,11 +57,18 @@ from flwr_verl.supervised import UnitLoss, UnitTrainer
 # ----------------------------------------------------------------------------- data
 @dataclass
 class SFTUnit:
-    """One privacy unit: a prompt and all its reference responses."""
+    """One privacy unit: a prompt and all its reference responses, and, for a multi-turn
+    conversation, its earlier assistant turns (trained on, not evaluated)."""
 
     data_source: str
     prompt: list[dict]  # messages
     responses: list[str]
+    earlier_turns: list[tuple[list[dict], str]] = field(default_factory=list)  # (messages before it, content)
+
+    def examples(self) -> list[tuple[list[dict], str]]:
+        """Every (prompt messages, response) the unit trains on: its earlier turns, then each
+        response to ``prompt``."""
+        return [*self.earlier_turns, *((self.prompt, response) for response in self.responses)]
 
     @property
     def prompt_row(self) -> dict:
@@ -65,15 +78,18 @@ class SFTUnit:
                 "reward_model": {"ground_truth": self.responses[0]}, "extra_info": {}}
 
 
-def _conversation(value, where: str) -> tuple[list[dict], str]:
-    """TRL's ``messages``: (the prompt's messages, the last message's content, the response)."""
+def _conversation(value, where: str) -> tuple[list[dict], str, list[tuple[list[dict], str]]]:
+    """TRL's ``messages``: (the prompt's messages, the last message's content: the response, the
+    earlier assistant turns that follow at least one message, each with the messages before it)."""
     messages = list(value) if not isinstance(value, (str, dict)) else None
     if (not messages or len(messages) < 2
             or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages)
             or messages[-1]["role"] != "assistant"):
         raise DataError(f"{where}: field 'messages' must be a list of {{'role', 'content'}} messages: the prompt, "
                         "then the assistant's response as the last")
-    return trl_prompt(messages[:-1], where), messages[-1]["content"]
+    earlier = [(trl_prompt(messages[:index], where), message["content"])
+               for index, message in enumerate(messages[:-1]) if index and message["role"] == "assistant"]
+    return trl_prompt(messages[:-1], where), messages[-1]["content"], earlier
 
 
 def sft_units(records: list[dict], source: str) -> list[SFTUnit]:
@@ -81,16 +97,19 @@ def sft_units(records: list[dict], source: str) -> list[SFTUnit]:
     units: dict[str, SFTUnit] = {}
     for index, record in enumerate(records):
         where = f"{source} row {index}"
+        earlier: list[tuple[list[dict], str]] = []
         if record.get("messages") is not None:
-            prompt, response = _conversation(record["messages"], where)
+            prompt, response, earlier = _conversation(record["messages"], where)
         else:
-            for field in ("prompt", "response"):
-                if record.get(field) is None:
-                    raise DataError(f"{where}: missing field {field!r} (SFT rows: prompt and response, or TRL's "
-                                    "conversational messages)")
-            prompt, response = trl_prompt(record["prompt"], where), trl_response(record["response"], where, "response")
+            answer = "completion" if record.get("completion") is not None else "response"  # TRL's, or ours
+            for name in ("prompt", answer):
+                if record.get(name) is None:
+                    raise DataError(f"{where}: missing field {name!r} (SFT rows: prompt and response, TRL's prompt "
+                                    "and completion, or TRL's conversational messages)")
+            prompt, response = trl_prompt(record["prompt"], where), trl_response(record[answer], where, answer)
         data_source = record.get("data_source") if isinstance(record.get("data_source"), str) else "sft"
-        units.setdefault(json.dumps(prompt, sort_keys=True), SFTUnit(data_source, prompt, [])).responses.append(response)
+        units.setdefault(json.dumps(prompt, sort_keys=True),
+                         SFTUnit(data_source, prompt, [], earlier)).responses.append(response)
     return list(units.values())
 
 
@@ -116,15 +135,16 @@ def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
 
 # ----------------------------------------------------------------------------- sequences
 def response_sequences(units: list[SFTUnit], tokenizer, max_prompt_length: int) -> list[tuple[list[int], int]]:
-    """Every response of ``units`` as (token ids, prompt length): the prompt as the rollout
-    encodes it (``data.prompt_text``, cut from the left to ``max_prompt_length`` tokens), then
-    the response's tokens and EOS."""
+    """Every example of ``units`` (``SFTUnit.examples``: its earlier turns and responses, unit by
+    unit) as (token ids, prompt length): the prompt as the rollout encodes it
+    (``data.prompt_text``, cut from the left to ``max_prompt_length`` tokens), then the
+    response's tokens and EOS."""
+    examples = [example for unit in units for example in unit.examples()]
     tokenizer.truncation_side = "left"  # as rollout.generate: keep the end of an overlong prompt
-    prompts = tokenizer([prompt_text({"prompt": unit.prompt}, tokenizer) for unit in units],
+    prompts = tokenizer([prompt_text({"prompt": messages}, tokenizer) for messages, _ in examples],
                         add_special_tokens=False, truncation=True, max_length=max_prompt_length)["input_ids"]
-    return [(prompt + response + [tokenizer.eos_token_id], len(prompt))
-            for unit, prompt in zip(units, prompts)
-            for response in tokenizer(unit.responses, add_special_tokens=False)["input_ids"]]
+    responses = tokenizer([response for _, response in examples], add_special_tokens=False)["input_ids"]
+    return [(prompt + response + [tokenizer.eos_token_id], len(prompt)) for prompt, response in zip(prompts, responses)]
 
 
 @dataclass
@@ -150,7 +170,7 @@ def response_batch(units: list[SFTUnit], tokenizer, max_prompt_length: int, devi
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, prompt_length: len(ids)] = 1
-    unit_of_row = torch.tensor([index for index, unit in enumerate(units) for _ in unit.responses])
+    unit_of_row = torch.tensor([index for index, unit in enumerate(units) for _ in unit.examples()])
     return ResponseBatch(input_ids.to(device), attention_mask.to(device),
                          compute_position_id_with_mask(attention_mask).to(device), loss_mask.to(device),
                          unit_of_row.to(device), len(units))

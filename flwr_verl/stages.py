@@ -58,3 +58,12 @@ def unit_trainer(config: EngineConfig, train_units: list, val_units: list, model
 
     check_unit_lengths(models, train_units + val_units)
     return LocalRewardModelTrainer(config, train_units, models=models)
+
+
+def unit_prompts(config: EngineConfig, units: list) -> list[list[dict]]:
+    """The prompt (its messages) of each of ``units`` (``load_stage_rows``'s): what the node's
+    ledger keys a data set by (``ledger.fingerprint_prompts``), so that the same prompts key alike
+    in every stage."""
+    if config.stage == "policy":
+        return [row["prompt"] for row in units]
+    return [unit.prompt for unit in units]  # sft.SFTUnit, preference.PreferenceUnit

@@ -2,13 +2,15 @@
 
 In this process: a second run on the same data continues from the first run's epsilon, and the
 node's own budget holds whatever the run config says; the server neither sends nor keys by
-what a client says of itself; a changed data set is a new entry; a crash after the ledger write
-over-counts; ``privacy.metrics`` and ``privacy.num_examples``; bad ledger paths. In two real
-processes: concurrent spenders never exceed the budget.
+what a client says of itself; a changed prompt set is a new entry, the same prompts one entry
+in every stage; a crash after the ledger write over-counts; ``privacy.metrics`` and
+``privacy.num_examples``; bad ledger paths. In two real processes: concurrent spenders never
+exceed the budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sqlite3
@@ -27,9 +29,10 @@ from flwr_verl.client import VerlClient, client_from_context, reported_num_examp
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
 from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.ledger import DataSetKey, LedgerError, PrivacyLedger, fingerprint_rows
+from flwr_verl.ledger import DataSetKey, LedgerError, PrivacyLedger, fingerprint_prompts
 from flwr_verl.privacy import IterationMechanism, PrivacyAccount
 from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport
+from flwr_verl.stages import unit_prompts
 from flwr_verl.strategy import FedProxAdapters
 
 DELTA = 1e-5
@@ -109,17 +112,50 @@ def test_a_forged_client_id_changes_nothing():
     assert not any("privacy" in key for _, ins in sampled for key in ins.config)  # no history goes out
 
 
-def test_a_changed_data_set_gets_a_new_entry(tiny_config, tmp_path):
-    rows = load_rows(tiny_config().data, "train", seed=0)
-    changed = [dict(rows[0], prompt=[{"role": "user", "content": "1+1="}]), *rows[1:]]
-    assert fingerprint_rows(rows) == fingerprint_rows(rows[::-1])  # the same data, in another order
-    assert fingerprint_rows(changed) != fingerprint_rows(rows) != fingerprint_rows(rows[1:])
+def test_a_changed_prompt_set_gets_a_new_entry(tiny_config, tmp_path):
+    prompts = [row["prompt"] for row in load_rows(tiny_config().data, "train", seed=0)]
+    changed = [[{"role": "user", "content": "1+1="}], *prompts[1:]]
+    # The same prompts in another order, repeated, or with other message fields: the same data set.
+    assert fingerprint_prompts(prompts) == fingerprint_prompts(prompts[::-1]) == fingerprint_prompts(
+        prompts + prompts[:3]) == fingerprint_prompts([[{**m, "name": "x"} for m in p] for p in prompts])
+    assert fingerprint_prompts(changed) != fingerprint_prompts(prompts) != fingerprint_prompts(prompts[1:])
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite")
-    old, new = DataSetKey(fingerprint_rows(rows), "prompt", "old"), DataSetKey(fingerprint_rows(changed), "prompt")
+    old = DataSetKey(fingerprint_prompts(prompts), "prompt", "old")
+    new = DataSetKey(fingerprint_prompts(changed), "prompt")
     ledger.spend(old, IterationMechanism(1.0, 0.25), 3, budget=0, delta=DELTA, accountant="rdp", run_id="1",
                  server_round=1)
     assert ledger.account(new).steps == 0 and ledger.account(old).steps == 3
     assert ledger.account(DataSetKey(old.fingerprint, "client")).rounds == 0  # another privacy unit, another budget
+
+
+def test_the_same_prompts_spend_one_budget_across_stages(tiny_config, tmp_path):
+    """SFT on a client's private prompts, then PPO on the same prompts: the policy's first round
+    continues the SFT round's account. A reward model's preference units of the same prompts key
+    alike; other prompts (the validation split) have a budget of their own."""
+    from flwr_verl.preference import PreferenceUnit
+    from flwr_verl.sft import load_units
+
+    ledger = PrivacyLedger(tmp_path / "ledger.sqlite")
+    policy = tiny_config(privacy=PRIVATE, trainer=ONE_ITERATION)
+    sft = dataclasses.replace(policy, stage="sft")
+    rows = load_rows(policy.data, "train", seed=0)
+    sft_client = VerlClient(sft, load_units(sft.data, "train", seed=0), [], ledger=ledger, run_id="sft")
+    _, _, metrics = sft_client.fit(sft_client.adapters.get_arrays(), fit_config())
+    after_sft = FitReport.from_metrics(metrics).privacy
+    policy_client = VerlClient(policy, rows, [], ledger=ledger, run_id="policy")
+    _, _, metrics = policy_client.fit(policy_client.adapters.get_arrays(), fit_config())
+    after_policy = FitReport.from_metrics(metrics).privacy
+    assert policy_client.data_set == sft_client.data_set
+    assert after_sft.account.steps == 1 and after_policy.account.steps == 2
+    assert after_policy.epsilon_total > after_sft.epsilon_total
+    assert [run.run_id for run in ledger.runs(policy_client.data_set)] == ["sft", "policy"]
+
+    pairs = [PreferenceUnit(row["data_source"], row["prompt"], [(row["reward_model"]["ground_truth"], "0")])
+             for row in rows]
+    reward_model = dataclasses.replace(policy, stage="reward_model")
+    assert fingerprint_prompts(unit_prompts(reward_model, pairs)) == policy_client.data_set.fingerprint
+    held_out = VerlClient(policy, load_rows(policy.data, "val", seed=0), [], ledger=ledger)
+    assert held_out.data_set != policy_client.data_set and ledger.account(held_out.data_set).steps == 0
 
 
 # One spender, run in this process and in another: one iteration at a time until the ledger refuses.

@@ -73,8 +73,44 @@ def test_plain_and_conversational_rows_group_into_units_by_prompt(tmp_path):
     assert unit.responses == ["2"]
 
 
+def test_trls_prompt_completion_rows_read_as_prompt_and_response(tmp_path):
+    """TRL's prompt-completion format, plain and conversational, gives the units that ``prompt``
+    and ``response`` give."""
+    path = tmp_path / "completion.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "completion": "2"},
+                                         {"prompt": "1+1=", "completion": "two"}]), path)
+    chat = tmp_path / "chat_completion.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1+1="}],
+                                          "completion": [{"role": "assistant", "content": "2"}]}]), chat)
+    assert [(u.prompt, u.responses) for u in load_sft_files(str(path))] == [
+        ([{"role": "user", "content": "1+1="}], ["2", "two"])]
+    assert [(u.prompt, u.responses) for u in load_sft_files(str(chat))] == [
+        ([{"role": "user", "content": "1+1="}], ["2"])]
+
+
+MULTI_TURN = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+              {"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]
+
+
+def test_every_assistant_turn_of_a_conversation_is_scored_and_nothing_else(tmp_path, models):
+    """A multi-turn ``messages`` row is one unit whose loss covers each assistant turn (its tokens
+    and EOS, after the messages before it), as TRL's assistant-only loss; the last turn is the
+    response that evaluation checks."""
+    path = tmp_path / "multi.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": MULTI_TURN}]), path)
+    [unit] = load_sft_files(str(path))
+    assert unit.prompt == MULTI_TURN[:3] and unit.responses == ["19"]
+    assert unit.earlier_turns == [(MULTI_TURN[:1], "2")]
+    batch = response_batch([unit], models.tokenizer, 256, models.device)
+    eos = [models.tokenizer.eos_token_id]
+    scored = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.loss_mask)]
+    assert scored == [models.tokenizer(turn, add_special_tokens=False)["input_ids"] + eos for turn in ("2", "19")]
+    assert batch.unit_of_row.tolist() == [0, 0] and batch.num_units == 1
+
+
 @pytest.mark.parametrize("bad, field", [
     ({"prompt": "1+1="}, "response"),
+    ({"prompt": "1+1=", "completion": []}, "completion"),
     ({"response": "2"}, "prompt"),
     ({"prompt": "", "response": "2"}, "prompt"),
     ({"messages": [{"role": "user", "content": "1+1="}, {"role": "user", "content": "2"}]}, "messages"),
@@ -82,8 +118,10 @@ def test_plain_and_conversational_rows_group_into_units_by_prompt(tmp_path):
 ])
 def test_a_malformed_row_names_file_row_and_field(tmp_path, bad, field):
     path = tmp_path / "bad.parquet"
-    good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]} \
-        if "messages" in bad else {"prompt": "1+1=", "response": "2"}
+    answer = [{"role": "assistant", "content": "2"}]
+    good = ({"messages": [{"role": "user", "content": "1+1="}, *answer]} if "messages" in bad
+            else {"prompt": "1+1=", "completion": answer} if "completion" in bad
+            else {"prompt": "1+1=", "response": "2"})  # a file has its first row's columns
     pq.write_table(pa.Table.from_pylist([good, bad]), path)
     with pytest.raises(DataError, match=rf"{path} row 1: .*'{field}'"):
         load_sft_files(str(path))
@@ -109,11 +147,13 @@ def test_the_loss_reads_response_tokens_only(models):
 
 # ----------------------------------------------------------------------------- objective under DP
 def test_sft_per_unit_gradients_equal_each_unit_computed_alone(models):
-    """Units with 1, 2 and 3 responses of different lengths in one forward pass: each unit's
+    """Units with 1, 2 and 3 responses of different lengths, and a two-turn conversation, in one
+    forward pass: each unit's
     pooled Opacus gradient is the gradient of that unit's loss computed alone."""
     units = [SFTUnit("t", [{"role": "user", "content": "12+7="}], ["19"]),
              SFTUnit("t", [{"role": "user", "content": "3+40="}], ["43", "34"]),
-             SFTUnit("t", [{"role": "user", "content": "9+9="}], ["18", "81", "180"])]
+             SFTUnit("t", [{"role": "user", "content": "9+9="}], ["18", "81", "180"]),
+             SFTUnit("t", MULTI_TURN[:3], ["19"], [(MULTI_TURN[:1], "2")])]  # a conversation: two turns scored
     assert_units_are_independent(LocalSFTTrainer(sft_run_config().engine, units, models=models), units)
 
 
