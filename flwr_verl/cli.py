@@ -35,6 +35,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+import tomli_w
 from flwr.common.config import flatten_dict
 
 from flwr_verl.baseline import read_run_config
@@ -139,10 +141,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_INVALID
     superlink = [args.superlink] if args.superlink else []
-    command = flwr_command("flwr", "run", str(app), *superlink, "--stream")
-    command += ["--run-config", args.run_config] if args.run_config else []
-    for override in args.set:
-        command += ["--run-config", override]
+    with tempfile.TemporaryDirectory() as scratch:
+        command = flwr_command("flwr", "run", str(app), *superlink, "--stream",
+                               *run_config_args(args.run_config, args.set, Path(scratch)))
+        return _follow(command, superlink, args.timeout)
+
+
+def run_config_args(path: str | None, overrides: list[str], scratch: Path) -> list[str]:
+    """``flwr run``'s ``--run-config`` arguments for a file and ``key=value`` overrides. Flower
+    takes a TOML file or key=value pairs but not both, so both are merged into one file in
+    ``scratch``."""
+    if path and overrides:
+        merged = scratch / "run-config.toml"
+        merged.write_text(tomli_w.dumps(read_run_config(path, overrides)))
+        return ["--run-config", str(merged)]
+    return [arg for value in ([path] if path else []) + overrides for arg in ("--run-config", value)]
+
+
+def _follow(command: list[str], superlink: list[str], timeout: float) -> int:
+    """Run ``flwr run ... --stream``, print its log, and wait for the run's end (``run``'s exit codes)."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     run_ids: list[str] = []
 
@@ -155,14 +172,14 @@ def run(args: argparse.Namespace) -> int:
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
     try:
-        code = process.wait(timeout=args.timeout)
+        code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         if run_ids:
             subprocess.run(flwr_command("flwr", "stop", run_ids[0], *superlink), capture_output=True, timeout=120)
         process.kill()
         process.wait()
         print(f"flwr-verl: run {run_ids[0] if run_ids else '(not started)'} did not end within --timeout="
-              f"{args.timeout:g} s; stopped", file=sys.stderr)
+              f"{timeout:g} s; stopped", file=sys.stderr)
         return EXIT_TIMEOUT
     reader.join(timeout=10)
     if not run_ids:

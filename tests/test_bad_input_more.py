@@ -160,3 +160,18 @@ def test_flwr_verl_run_refuses_a_bad_config_before_submitting_anything(profiles,
     monkeypatch.setattr(cli.subprocess, "Popen", no_flwr)
     assert main(["run", str(REPO), "some-superlink", "--run-config", str(profiles[1])]) == 2
     assert "unknown config key 'actor.lrr'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides", [[], ["actor.lr=0.002", "algorithm.adv_estimator='rloo'"]], ids=["file", "file+set"])
+def test_flwr_verl_run_passes_flower_a_run_config_it_accepts(profiles, tmp_path, overrides):
+    """Flower takes a TOML file or key=value pairs, not both: the file and the overrides reach it
+    as one run config, parsed by Flower's own parser into what check-config validated."""
+    from flwr.common.config import parse_config_args
+
+    from flwr_verl.baseline import read_run_config
+    from flwr_verl.cli import run_config_args
+
+    args = run_config_args(str(profiles[0]), overrides, tmp_path)
+    passed = parse_config_args(args[1::2])
+    assert passed == read_run_config(str(profiles[0]), overrides)
+    assert passed["actor.lr"] == (0.002 if overrides else 1e-3) and passed["algorithm.kl_ctrl.type"] == "fixed"
