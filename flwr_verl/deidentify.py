@@ -38,6 +38,7 @@ n-gram filter at false-positive rate p, plus 9.6 for the prefix filter (at 1%).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -57,18 +58,31 @@ class CorpusError(FlwrVerlError, ValueError):
     """The protected corpus file cannot be read."""
 
 
+def _per_hash(values: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
+    """The three hash functions' constants, (3, 1, ...), to broadcast against (3, *like.shape)."""
+    return torch.tensor(values, dtype=torch.int64, device=like.device).view(3, *([1] * like.dim()))
+
+
+@functools.lru_cache(maxsize=64)
+def _powers(length: int, device: torch.device) -> torch.Tensor:
+    """base^(L-1-j) mod prime for each hash function and position j: (3, L)."""
+    return torch.tensor([[pow(base, length - 1 - j, prime) for j in range(length)]
+                         for prime, base in zip(_PRIMES, _BASES)], dtype=torch.int64, device=device)
+
+
 def _hash_prefixes(prefixes: torch.Tensor) -> torch.Tensor:
-    """Polynomial hashes of token-id sequences: (..., L) -> (3, ...), each below its prime."""
-    h = torch.zeros((3, *prefixes.shape[:-1]), dtype=torch.int64, device=prefixes.device)
-    for j in range(prefixes.shape[-1]):
-        h = _extend(h, prefixes[..., j])
-    return h
+    """Polynomial hashes of token-id sequences: (..., L) -> (3, ...), each below its prime:
+    sum_j (t_j + 1) base^(L-1-j) mod prime, Horner's value in one pass over the positions. Every
+    term is reduced below its prime (< 2^31) before the sum, so nothing overflows int64."""
+    primes = _per_hash(_PRIMES, prefixes)
+    powers = _powers(prefixes.shape[-1], prefixes.device).view(3, *([1] * (prefixes.dim() - 1)), -1)
+    return ((prefixes + 1) * powers % primes).sum(-1) % primes[..., 0]
 
 
 def _extend(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The hashes of each sequence extended by one token: (3, ...) x (...) -> (3, ...), broadcast."""
     # +1: token 0 still changes the hash
-    return torch.stack([(h[i] * base + tokens + 1) % prime for i, (prime, base) in enumerate(zip(_PRIMES, _BASES))])
+    return (h * _per_hash(_BASES, h[0]) + tokens + 1) % _per_hash(_PRIMES, h[0])
 
 
 def _extend_by_every_token(h: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -113,8 +127,13 @@ class BloomFilter:
 
     def members(self, h: torch.Tensor) -> torch.Tensor:
         """The indices of the hashed sequences (3, N) that may be in the filter (never a false
-        negative). Each hash function looks only at the candidates the previous ones left."""
+        negative). A few candidates (a decoding step's contexts) are looked up under every hash
+        function at once; many (a context extended by every token) hash function by hash
+        function, each looking only at the candidates the previous ones left."""
         position, stride = self._start(h)
+        if h.shape[1] * self.num_hashes <= ONE_SHOT_LOOKUPS:
+            steps = torch.arange(self.num_hashes, device=h.device)[:, None]
+            return self.bits[(position + steps * stride) % self.bits.numel()].all(dim=0).nonzero().squeeze(1)
         alive = torch.arange(h.shape[1], device=h.device)
         for _ in range(self.num_hashes):
             keep = self.bits[position]
@@ -136,6 +155,9 @@ class BloomFilter:
 
 # The (n-1)-token prefixes get a second, coarser filter: a false positive there only costs time.
 PREFIX_FALSE_POSITIVE_RATE = 0.01
+# Up to this many bit lookups, BloomFilter.members does them all in one indexing operation.
+ONE_SHOT_LOOKUPS = 1 << 16
+BUILD_CHUNK = 1 << 20  # n-grams hashed at a time while a filter is built
 
 
 @dataclass
@@ -169,10 +191,10 @@ class ProtectedNgrams:
         prefixes = BloomFilter.sized(num_ngrams, PREFIX_FALSE_POSITIVE_RATE)
         windows = [torch.tensor(s, dtype=torch.int64).unfold(0, ngram, 1) for s in sequences if len(s) >= ngram]
         if windows:
-            windows = torch.cat(windows)  # (num_ngrams, n)
-            h = _hash_prefixes(windows[:, :-1])
-            prefixes.add(h)
-            ngrams.add(_extend(h, windows[:, -1]))
+            for chunk in torch.cat(windows).split(BUILD_CHUNK):  # (<= BUILD_CHUNK, n): bounded memory
+                h = _hash_prefixes(chunk[:, :-1])
+                prefixes.add(h)
+                ngrams.add(_extend(h, chunk[:, -1]))
         return cls(ngram, ngrams, prefixes, num_ngrams=num_ngrams, num_tokens=sum(len(s) for s in sequences))
 
     @classmethod
@@ -196,14 +218,14 @@ class ProtectedNgrams:
             raise ValueError(f"expected n-grams of {self.ngram} tokens, got shape {tuple(ngrams.shape)}")
         return self.ngrams.contains(_hash_prefixes(ngrams.to(self.device)))
 
-    def completions(self, prefixes: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def completions(self, prefixes: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """For each (n-1)-token prefix, which next tokens complete a protected n-gram:
-        (B, n-1) -> (B, vocab_size) bool."""
-        blocked = torch.zeros(prefixes.shape[0], vocab_size, dtype=torch.bool, device=prefixes.device)
+        (B, n-1) -> (B, vocab_size) bool; None when no prefix is protected (the usual step)."""
         h = _hash_prefixes(prefixes)
-        rows = self.prefixes.contains(h).nonzero().squeeze(1)
+        rows = self.prefixes.members(h)
         if rows.numel() == 0:
-            return blocked
+            return None
+        blocked = torch.zeros(prefixes.shape[0], vocab_size, dtype=torch.bool, device=prefixes.device)
         found = self.ngrams.members(_extend_by_every_token(h[:, rows], vocab_size).reshape(3, -1))
         blocked[rows[found // vocab_size], found % vocab_size] = True
         return blocked
@@ -224,6 +246,8 @@ class NoVerbatimNgrams(LogitsProcessor):
         if self.protected.device != scores.device:
             self.protected = self.protected.to(scores.device)
         blocked = self.protected.completions(input_ids[:, -context:], scores.shape[1])
+        if blocked is None:
+            return scores
         blocked &= ~blocked.all(dim=1, keepdim=True)  # never leave a row with nothing to emit
         return scores.masked_fill(blocked, -math.inf)
 
