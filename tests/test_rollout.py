@@ -75,8 +75,9 @@ def test_attention_mask_and_positions_follow_prompt_and_response(tokenizer):
 def test_n_responses_per_prompt_are_adjacent_and_share_a_uid(tokenizer):
     rows = arithmetic_rows(2, seed=1)
     scripted = torch.full((4, 3), 5)
+    # the scripted model only generates: no shared prompt cache (a forward pass) to build
     batch = generate(ScriptedModel(scripted), tokenizer, rows, RolloutConfig(n=2, response_length=3),
-                     max_prompt_length=64, uid_offset=10)
+                     max_prompt_length=64, uid_offset=10, shared_prompt_cache=False)
     assert batch.non_tensor_batch["uid"].tolist() == [10, 10, 11, 11]
     assert torch.equal(batch.batch["prompts"][0], batch.batch["prompts"][1])
     assert [r["ground_truth"] for r in batch.non_tensor_batch["reward_model"]] == [
