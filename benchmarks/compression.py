@@ -25,7 +25,6 @@ nothing is tuned on the evaluation set.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -38,7 +37,6 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SECAGG_BYTES_PER_COORDINATE = 8  # Flower 1.42's SecAgg+ masks and sends int64 whatever the modulus (README)
 
 
@@ -89,26 +87,18 @@ def run(args, density: float, seed: int, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
+    from dp_utility import federation_parser, federation_setup
+
+    parser = federation_parser(__doc__, rounds=4, train_size=256)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--local-iterations", type=int, default=5)
-    parser.add_argument("--train-size", type=int, default=256, help="prompts per client")
-    parser.add_argument("--train-batch-size", type=int, default=16)
     parser.add_argument("--target-epsilon", type=float, default=8.0, help="over the run, as lora_aggregation.py")
     parser.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.25, 0.05])
-    parser.add_argument("--eval-size", type=int, default=64, help="validation problems")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     import numpy as np
-    import torch
 
-    from dp_utility import validation_problems
-
-    torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size)
+    eval_rows = federation_setup(args)
     runs = []
     for seed in range(args.seeds):
         for density in args.densities:

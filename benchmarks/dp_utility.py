@@ -61,6 +61,27 @@ def validation_problems(limit: int, split: str = "val") -> list[dict]:
     ]
 
 
+def federation_parser(description: str, *, rounds: int, train_size: int) -> argparse.ArgumentParser:
+    """The arguments that the in-process federation benchmarks (compression, heterogeneous,
+    lora_aggregation) share; each adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--train-size", type=int, default=train_size, help="prompts per client")
+    parser.add_argument("--train-batch-size", type=int, default=16)
+    parser.add_argument("--eval-size", type=int, default=64, help="validation problems")
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def federation_setup(args) -> list[dict]:
+    """One torch thread (figures comparable across machines and runs) and the validation rows."""
+    import torch
+
+    torch.set_num_threads(1)
+    return validation_problems(args.eval_size)
+
+
 def engine(args, *, private: bool, seed: int):
     from flwr_verl.config import engine_config
 

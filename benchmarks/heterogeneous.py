@@ -15,7 +15,6 @@ they run one after another, the sum.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,6 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = {  # name: (local-iterations per node, aggregation)
     "uniform_6_6_5": ((6, 6, 5), "mean"),
     "budgets_2_5_10": ((2, 5, 10), "mean"),
@@ -73,25 +71,17 @@ def run(args, arm: str, seed: int, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--train-size", type=int, default=512, help="prompts per client")
-    parser.add_argument("--train-batch-size", type=int, default=16)
+    from dp_utility import federation_parser, federation_setup
+
+    parser = federation_parser(__doc__, rounds=4, train_size=512)
     parser.add_argument("--lr", type=float, default=1e-3, help="actor.lr (the no-DP choice of federation.py)")
     parser.add_argument("--proximal-mu", type=float, default=0.01)
     parser.add_argument("--dp", action="store_true", help="train under DP (privacy.noise_multiplier default)")
-    parser.add_argument("--eval-size", type=int, default=64, help="validation problems")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     import numpy as np
-    import torch
 
-    from dp_utility import validation_problems
-
-    torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size)
+    eval_rows = federation_setup(args)
     runs = []
     for seed in range(args.seeds):
         for arm in ARMS:

@@ -20,7 +20,6 @@ client's noise set for ``--target-epsilon`` over the run):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,7 +31,6 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def aggregation_error(policy, adapters, initial, updates, aggregate) -> dict[str, float]:
@@ -102,26 +100,18 @@ def run(args, freeze_a: bool, seed: int, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    from dp_utility import federation_parser, federation_setup
+
+    parser = federation_parser(__doc__, rounds=3, train_size=512)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--local-iterations", type=int, default=5)
-    parser.add_argument("--train-size", type=int, default=512, help="prompts per client")
-    parser.add_argument("--train-batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3, help="actor.lr (the engine default)")
     parser.add_argument("--target-epsilon", type=float, default=8.0)
-    parser.add_argument("--eval-size", type=int, default=64, help="validation problems")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     import numpy as np
-    import torch
 
-    from dp_utility import validation_problems
-
-    torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size)
+    eval_rows = federation_setup(args)
     runs = []
     for seed in range(args.seeds):
         for freeze_a in (False, True):
