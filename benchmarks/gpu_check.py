@@ -36,7 +36,7 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
     from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
     from flwr_verl.data import load_rows
     from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.protocol import FitReport, SecAggBounds
+    from flwr_verl.protocol import EvaluateConfig, FitReport, SecAggBounds
     from flwr_verl.strategy import FedProxAdapters
 
     config = engine_config(model={"device": device, "dtype": dtype},
@@ -69,7 +69,7 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
         if any(u.dtype != np.float64 or not np.isfinite(u).all() for u in parameters_to_ndarrays(res.parameters)):
             failures.append(f"client {proxy.cid}: update not finite float64")
     round_seconds = time.perf_counter() - start
-    _, _, evaluation = clients[0].evaluate(strategy.global_arrays, {})
+    _, _, evaluation = clients[0].evaluate(strategy.global_arrays, EvaluateConfig(server_round=1).to_config())
     if any(a.dtype != np.float32 or not np.isfinite(a).all() for a in strategy.global_arrays):
         failures.append("global adapter arrays are not finite float32")
     training = reports[0].training

@@ -105,6 +105,7 @@ from flwr_verl.privacy import (
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     STATUS_OK,
+    EvaluateConfig,
     FitConfig,
     FitReport,
     NoisedTrainingMetrics,
@@ -264,7 +265,10 @@ class VerlClient(NumPyClient):
         """The preflight (``protocol.PreflightConfig``): building this client already loaded its
         model and data and scored one response; here the batch sizes and SecAgg+ bounds are
         checked against its own data. Any problem raises, and reaches the server as one line."""
-        instructions = PreflightConfig.from_config(config)
+        self._preflight(PreflightConfig.from_config(config))
+        return {"status": STATUS_OK}
+
+    def _preflight(self, instructions: PreflightConfig) -> None:
         sample_rate(self.config.data.train_batch_size, len(self.train_rows))
         weight = reported_num_examples(self.config.privacy.num_examples, len(self.train_rows))
         if instructions.secagg and weight > instructions.secagg.max_weight:
@@ -278,7 +282,6 @@ class VerlClient(NumPyClient):
                 f"(sha256 {self.adapters.frozen_fingerprint[:16] or 'none'}) differ from the server's "
                 f"({instructions.frozen_adapter[:16] or 'none'}). They never travel, so every node must build "
                 "them alike: the same model.path, trainer.seed and library versions (torch, transformers, peft)")
-        return {"status": STATUS_OK}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         start = time.perf_counter()
@@ -356,6 +359,11 @@ class VerlClient(NumPyClient):
         return update, weight, report.to_metrics()
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
+        """Held-out greedy evaluation (``protocol.EvaluateConfig``), after the preflight's checks
+        when the message carries them."""
+        instructions = EvaluateConfig.from_config(config)
+        if instructions.preflight is not None:
+            self._preflight(instructions.preflight)
         self.adapters.set_arrays(parameters)
         result = self.trainer.evaluate(self.val_rows)
         if result is None:

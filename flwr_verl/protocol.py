@@ -146,6 +146,27 @@ class PreflightConfig:
 
 
 @dataclass(frozen=True)
+class EvaluateConfig:
+    """Evaluate the global adapter on your held-out prompts. With ``preflight``, first run the
+    preflight's checks: the first evaluation of a fresh run that reaches every connected client
+    carries them, which saves each node one ClientApp process (in a deployment every message
+    starts one, and each pays the engine's imports)."""
+
+    server_round: int
+    preflight: PreflightConfig | None = None
+
+    def to_config(self) -> dict[str, bool | int | float | str]:
+        if self.preflight is None:
+            return {"server_round": self.server_round}
+        return {"server_round": self.server_round, "preflight": True, **self.preflight.to_config()}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EvaluateConfig:
+        preflight = PreflightConfig.from_config(config) if _read(config, "preflight", bool, False) else None
+        return cls(_read(config, "server_round", int), preflight)
+
+
+@dataclass(frozen=True)
 class TrainingSummary:
     """One fit's training metrics, on the client's private training prompts."""
 

@@ -84,6 +84,7 @@ from flwr_verl.privacy import DP_METRICS
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     ClientLevelRound,
+    EvaluateConfig,
     EvaluateReport,
     FitConfig,
     FitReport,
@@ -488,8 +489,16 @@ class FedProxAdapters(Strategy):
                             client_manager: ClientManager) -> list[tuple[ClientProxy, GetPropertiesIns]]:
         """Every connected client, once the federation is large enough, gets a ``PreflightConfig``."""
         self.wait_for_clients(server_round, client_manager)
-        ins = GetPropertiesIns(PreflightConfig(self.secure_aggregation, self.frozen_adapter).to_config())
+        ins = GetPropertiesIns(self._preflight_config().to_config())
         return [(proxy, ins) for proxy in client_manager.all().values()]
+
+    def _preflight_config(self) -> PreflightConfig:
+        return PreflightConfig(self.secure_aggregation, self.frozen_adapter)
+
+    def evaluation_can_carry_preflight(self) -> bool:
+        """Whether the initial evaluation reaches every connected client (``fraction-evaluate=1``),
+        so that it can carry the preflight instead of a message of its own."""
+        return bool(self.config.evaluate_every) and self.config.fraction_evaluate == 1.0
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:
         """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients. A
@@ -512,8 +521,13 @@ class FedProxAdapters(Strategy):
                               + "\n  ".join(lines))
 
     # ------------------------------------------------------------------ evaluate
-    def configure_evaluate(self, server_round: int, parameters: Parameters,
-                           client_manager: ClientManager) -> list[tuple[ClientProxy, EvaluateIns]]:
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager,
+                           preflight: bool = False) -> list[tuple[ClientProxy, EvaluateIns]]:
+        """The round's evaluation (none when ``evaluate-every`` skips it). With ``preflight``
+        (``evaluation_can_carry_preflight``), it first waits for the federation, as the
+        preflight does, and asks every client for the preflight's checks too."""
+        if preflight:
+            self.wait_for_clients(server_round, client_manager)
         every = self.config.evaluate_every
         if not every or self.config.fraction_evaluate == 0 or server_round % every:
             return []
@@ -525,8 +539,8 @@ class FedProxAdapters(Strategy):
             log(WARNING, "round %s: evaluating on the %s connected clients (min-evaluate-clients=%s)",
                 self.round_number(server_round), num_available, self.config.min_evaluate_clients)
         clients = client_manager.sample(num_clients=sample_size, min_num_clients=sample_size)
-        return [(client, EvaluateIns(parameters, {"server_round": self.round_number(server_round)}))
-                for client in clients]
+        config = EvaluateConfig(self.round_number(server_round), self._preflight_config() if preflight else None)
+        return [(client, EvaluateIns(parameters, config.to_config())) for client in clients]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Scalar]]:

@@ -11,7 +11,8 @@ message. The steps here replace them:
   first round of a run it sends every connected client a preflight (``protocol.PreflightConfig``:
   each checks its model, data, reward function and batch sizes against its own data) and ends
   the run with one line per distinct error if any client cannot train; before the first round of
-  a fresh run it evaluates the initial adapter (round 0). After a fit it writes
+  a fresh run it evaluates the initial adapter (round 0), and that evaluation carries the
+  preflight when it reaches every connected client. After a fit it writes
   the checkpoint at once, before evaluating, so a round whose evaluation never ends is not lost.
   Evaluation goes to whoever is connected, with a deadline.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
@@ -104,13 +105,7 @@ class RoundLoop:
         grid = MeteredGrid(grid, self.wire)
         current = current_round(legacy)
         if current == 1:  # the first round of this run, fresh or resumed
-            self.preflight(grid, legacy, current)
-        if current == 1 and self.strategy.completed_round == 0 and self.federation.evaluate_every:
-            evaluation = self.evaluate_round(grid, legacy, 0)
-            self.run.append_metrics({"round": 0, "evaluate": evaluation, "wire": self.wire.take()})
-            if "accuracy" in evaluation:
-                log(INFO, "round 0/%s: held-out accuracy %.3f before training", self.federation.num_server_rounds,
-                    evaluation["accuracy"])
+            self.first_round(grid, legacy)
         if self.secure_fit is not None:
             self.secure_fit(grid, legacy)
         else:
@@ -124,13 +119,29 @@ class RoundLoop:
         if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
             self.save(state, final=last)
 
-    def preflight(self, grid: Grid, legacy: LegacyContext, server_round: int) -> None:
+    def first_round(self, grid: Grid, legacy: LegacyContext) -> None:
+        """Before round 1 of this run: the preflight, then (fresh runs) the evaluation of the
+        initial adapter as round 0. When that evaluation reaches every connected client it carries
+        the preflight: one message per node instead of two."""
+        fresh = self.strategy.completed_round == 0 and bool(self.federation.evaluate_every)
+        carried = fresh and self.strategy.evaluation_can_carry_preflight()
+        if not carried:
+            self.preflight(grid, legacy)
+        if not fresh:
+            return
+        evaluation = self.evaluate_round(grid, legacy, 0, preflight=carried)
+        self.run.append_metrics({"round": 0, "evaluate": evaluation, "wire": self.wire.take()})
+        if "accuracy" in evaluation:
+            log(INFO, "round 0/%s: held-out accuracy %.3f before training", self.federation.num_server_rounds,
+                evaluation["accuracy"])
+
+    def preflight(self, grid: Grid, legacy: LegacyContext) -> None:
         """Before anything trains, every connected client checks the config against its own
         data; problems end the run with one line per distinct error."""
-        instructions = self.strategy.configure_preflight(server_round, legacy.client_manager)
-        results, failures = exchange(grid, instructions, MessageTypeLegacy.GET_PROPERTIES, server_round,
+        instructions = self.strategy.configure_preflight(1, legacy.client_manager)
+        results, failures = exchange(grid, instructions, MessageTypeLegacy.GET_PROPERTIES, 1,
                                      self.federation.evaluate_timeout)
-        self.strategy.check_preflight(server_round, results, failures)
+        self.strategy.check_preflight(1, results, failures)
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
         record = dict(self.strategy.state_dict()["last_round"])
@@ -154,16 +165,21 @@ class RoundLoop:
         legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(aggregated, True)
         legacy.history.add_metrics_distributed_fit(server_round=current, metrics=metrics)
 
-    def evaluate_round(self, grid: Grid, legacy: LegacyContext, server_round: int) -> dict:
+    def evaluate_round(self, grid: Grid, legacy: LegacyContext, server_round: int, preflight: bool = False) -> dict:
         """Evaluate the current global adapter on the connected clients' held-out prompts, with a
-        deadline; the aggregated metrics ({} when none was due or nobody answered)."""
+        deadline; the aggregated metrics ({} when none was due or nobody answered). With
+        ``preflight`` the evaluation carries the preflight, and any client error ends the run as
+        the preflight's would: before anything trains."""
         parameters = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
-        instructions = self.strategy.configure_evaluate(server_round, parameters, legacy.client_manager)
+        instructions = self.strategy.configure_evaluate(server_round, parameters, legacy.client_manager,
+                                                        preflight=preflight)
         if not instructions:
             return {}
         start = time.perf_counter()
         results, failures = exchange(grid, instructions, MessageType.EVALUATE, server_round,
                                      self.federation.evaluate_timeout)
+        if preflight:
+            self.strategy.check_preflight(1, results, failures)
         _, metrics = self.strategy.aggregate_evaluate(server_round, results, failures)
         return {**metrics, "seconds": time.perf_counter() - start} if metrics else {}
 

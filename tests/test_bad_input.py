@@ -26,7 +26,7 @@ from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, ModelConfig
 from flwr_verl.data import DataError, load_rows
 from flwr_verl.models import AdapterShapeError, ModelLoadError, build_models
 from flwr_verl.mods import ConciseErrors
-from flwr_verl.protocol import FitConfig
+from flwr_verl.protocol import EvaluateConfig, FitConfig
 from flwr_verl.rewards import RewardError
 from tests.conftest import TINY
 from tests.flower_harness import REPO, local_deployment, run_directories
@@ -162,7 +162,7 @@ def test_parameters_of_another_model_name_expected_and_received_shapes(client):
                                                 rf"{len(expected) - 1}"):
         client.fit(expected[:-1], FIT_CONFIG)
     with pytest.raises(AdapterShapeError):
-        client.evaluate(rank4, {})
+        client.evaluate(rank4, EvaluateConfig(server_round=1).to_config())
     assert all(np.array_equal(a, b) for a, b in zip(client.adapters.get_arrays(), before))  # nothing trained
 
 

@@ -21,7 +21,7 @@ from flwr.common import parameters_to_ndarrays
 from flwr_verl.client import VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
-from flwr_verl.protocol import FitConfig, SecAggBounds
+from flwr_verl.protocol import EvaluateConfig, FitConfig, SecAggBounds
 from flwr_verl.strategy import FedProxAdapters
 from flwr_verl.inprocess import InProcessClients, fit_round
 
@@ -70,7 +70,7 @@ def one_round(config, *, secure: bool):
     strategy = FedProxAdapters(federation, initial, local_iterations=1,
                                secure_aggregation=SecAggBounds(1.0, 64.0) if secure else None)
     results, _ = fit_round(strategy, InProcessClients({str(i): c for i, c in enumerate(clients)}), 1)
-    evaluation = clients[0].evaluate(strategy.global_arrays, {})
+    evaluation = clients[0].evaluate(strategy.global_arrays, EvaluateConfig(server_round=1).to_config())
     return clients, strategy, [parameters_to_ndarrays(res.parameters) for _, res in results], evaluation
 
 

@@ -659,12 +659,13 @@ def test_a_supernode_lost_mid_fit_round_is_saved_then_evaluated_on_the_survivors
 
 
 @pytest.mark.slow
-def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(federation, tmp_path):
+def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_keeping_round_1(federation, tmp_path):
     """Under SecAgg+ with 3 organisations, SuperNode 2 dies in round 1's fit stage and stays
     away. Round 1 completes with the 2 survivors (its aggregate is the mean of exactly their
     updates), is saved and evaluated on them; round 2 cannot
     run (SecAgg+ needs 3): after connect-timeout the run fails with one line that says so and how
-    to go on. With the node back, ``resume=true`` runs round 2 from the saved checkpoint."""
+    to go on. (That resume=true then continues from the saved round is
+    ``test_superlink_killed_after_round_1_resumes_at_round_2_from_the_saved_adapter``'s path.)"""
     out, log = tmp_path / "out", tmp_path / "run.log"
     config = run_config(out, **{"num-server-rounds": 2, "evaluate-every": 1, "connect-timeout": 20.0,
                                 "evaluate-timeout": 120.0})
@@ -672,23 +673,16 @@ def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(feder
     try:
         kill_in_fit_stage(federation, [2], process)
         text = finish(process, log)
-        (run_dir,) = run_directories(out)
-        kept = [r["round"] for r in records(run_dir)]
-        restart(federation, [2])
-        resumed = federation.flwr_run(REPO, {**config, "resume": True}, timeout=600)
     finally:
         restart(federation, [2])
-    assert "Secure aggregation completed" in text and kept == [0, 1], text
+    (run_dir,) = run_directories(out)
+    rounds = records(run_dir)
+    assert "Secure aggregation completed" in text and [r["round"] for r in rounds] == [0, 1], text
     assert ("round 2: only 2 of min-available-clients=3 SuperNodes connected after connect-timeout=20 s; SecAgg+ "
             "cannot run with 2 clients (Flower's SecAgg+ needs at least 3): bring SuperNodes back and run again "
             "with resume=true to continue after round 1, or start a new run with secagg.enabled=false.") in text, text
     assert "the run directory keeps the adapter of round 1 (" in text and "Traceback" not in text, text
     assert federation.run_status(text) == "finished:failed"
-
-    resumed_log = resumed.stdout + resumed.stderr
-    assert "continues after round 1 from adapter" in resumed_log, resumed_log
-    rounds = records(run_dir)
-    assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[1]["clients"] == [0, 1] and "reward" in rounds[1]["evaluate"]  # evaluated on the survivors
     assert rounds[1]["fit"]["num_clients"] == 2 and rounds[1]["fit"]["num_failures"] >= 1
 
@@ -698,5 +692,3 @@ def test_under_secagg_a_supernode_lost_for_good_stops_cleanly_then_resumes(feder
     updates = replay_updates(config, [0, 1, 2], 3, initial)
     assert max_abs(delta, weighted_mean(updates[:2])) < ATOL
     assert max_abs(delta, weighted_mean(updates)) > 10 * ATOL
-    assert rounds[2]["clients"] == [0, 1, 2] and rounds[2]["fit"]["epsilon_total"] > rounds[1]["fit"]["epsilon_total"]
-    assert federation.run_status(resumed_log) == "finished:completed"

@@ -11,9 +11,11 @@ from flwr_verl.privacy import IterationMechanism, PrivacyAccount
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     STATUS_OK,
+    EvaluateConfig,
     EvaluateReport,
     FitConfig,
     FitReport,
+    PreflightConfig,
     PrivacyReport,
     ProtocolError,
     SecAggBounds,
@@ -41,6 +43,17 @@ def test_fit_config_round_trips_through_flowers_config(config):
     wire = config.to_config()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())  # what a Flower ConfigRecord holds
     assert FitConfig.from_config(wire) == config
+
+
+@pytest.mark.parametrize("config", [
+    EvaluateConfig(server_round=0),
+    EvaluateConfig(server_round=0, preflight=PreflightConfig(SecAggBounds(1.0, 4096.0), frozen_adapter="ab" * 32)),
+    EvaluateConfig(server_round=3, preflight=PreflightConfig()),
+], ids=["plain", "carries-a-secure-preflight", "carries-a-plain-preflight"])
+def test_evaluate_config_round_trips_through_flowers_config(config):
+    wire = config.to_config()
+    assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())
+    assert EvaluateConfig.from_config(wire) == config
 
 
 @pytest.mark.parametrize("report", [
