@@ -14,10 +14,29 @@ gradients anyway.
 
 The per-sample gradients themselves are Opacus's: each layer's grad sampler
 (``GradSampleHooks.GRAD_SAMPLERS``, or functorch for ``grad_sample_mode="functorch"`` and for
-layer types without one), fed the same activations and backprops scaled as for
-``loss_reduction="mean"``. They are the values Opacus's hooks give, bit for bit
-(``tests/test_privacy.py`` checks it). Clipping, noise and the optimizer step stay Opacus's
-``DPOptimizer``.
+layer types without one), fed activations and backprops, scaled as for ``loss_reduction="mean"``.
+A sample is one privacy unit: ``rows_per_unit`` adjacent rows of the loss.
+
+* **Per row** (``rows_per_unit=1``: units of any size, pooled afterwards by
+  ``privacy.pool_rows``): the values Opacus's hooks give, bit for bit, on a forward that runs
+  every layer on all rows (``tests/test_privacy.py`` checks it).
+* **Per unit** (``rows_per_unit=n``: a prompt and its n responses): the sum over each unit's rows
+  of their per-row gradients, computed without them. Opacus's samplers sum over every
+  dimension between the batch and the features, and a linear layer acts on each position alone,
+  so for ``nn.Linear`` a unit's n rows of T positions are handed to the sampler as one row of
+  n*T positions (a free view of the (B*n, T, d) activations and backprops as (B, n*T, d)): the
+  output is n times smaller, and the same einsum runs as one batched matrix product per unit.
+  Another layer type gets its per-row gradients summed per unit. A prompt pass of B rows
+  (``forward.response_logits``) already has one row per unit and adds in whole. The result equals
+  the mean over each unit's rows of the per-row gradients (what pooling per prompt took before)
+  up to float rounding (the sums run in another order), not bit for bit.
+
+That is safe for DP: Opacus's ``DPOptimizer`` still clips each unit's gradient to
+``max_grad_norm`` before summing and noising, and each unit's gradient is still computed from that
+unit's rows alone (every sum stays inside the unit), so one unit's influence on the noised sum is
+at most ``max_grad_norm`` whatever its rounding: the sensitivity is unchanged.
+(``tests/test_privacy.py`` checks it against each unit's gradient computed alone.)
+Clipping, noise and the optimizer step stay Opacus's ``DPOptimizer``.
 """
 
 from __future__ import annotations
@@ -41,6 +60,13 @@ class _RecordedForward:
     output: torch.autograd.graph.GradientEdge  # where the layer's output enters the graph (not the tensor:
     # holding it would keep every layer's output alive until the backward)
 
+    @property
+    def rows(self) -> int:
+        return self.activations[-1].shape[0]
+
+
+POSITIONWISE = (torch.nn.Linear,)  # layer types that act on each position alone: a unit's rows can be concatenated
+
 
 def sampled_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The layers that get per-sample gradients, chosen as Opacus chooses them: every module that
@@ -56,16 +82,19 @@ def sampled_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 class PerSampleGradients:
     """Per-sample gradients of ``model``'s trainable weights for the forward passes run inside
-    ``recording()``: after ``backward(loss)`` each weight has ``grad_sample`` (batch, *shape),
-    where ``loss`` is the mean over the batch's rows (Opacus's ``loss_reduction="mean"``).
+    ``recording()``: after ``backward(loss)`` each weight has ``grad_sample`` (units, *shape),
+    one gradient per unit of ``rows_per_unit`` adjacent rows of the loss, where ``loss`` is the
+    mean over the batch's rows (Opacus's ``loss_reduction="mean"``, over units: each unit's
+    gradient is that of its rows' mean loss).
 
     Outside ``recording()`` the model carries no hook at all. Inside it, only forwards that build
     a graph in training mode are recorded (as Opacus's hooks do): a no-grad pass records nothing.
     ``close()`` removes what functorch attached to the layers.
     """
 
-    def __init__(self, model: torch.nn.Module, *, functorch: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, functorch: bool = False, rows_per_unit: int = 1) -> None:
         self.layers = list(sampled_layers(model))
+        self.rows_per_unit = rows_per_unit
         self._samplers = {layer: self._sampler(layer, functorch) for layer in self.layers}
         self._recorded: list[_RecordedForward] = []
 
@@ -100,23 +129,37 @@ class PerSampleGradients:
         are not computed.
 
         The loss's rows are those of the widest pass. A layer may run more than once (a prompt
-        pass and a response pass, ``forward.response_logits``): a pass with ``rows / k`` rows has
-        one row per k adjacent rows of the loss, and each of them gets 1/k of its gradient, so
-        the sum over each group of k rows, what pooling per prompt takes, is exact."""
+        pass and a response pass, ``forward.response_logits``); a narrower pass has one row per
+        group of adjacent rows of the loss (per unit: every pass has the same rows per unit)."""
         recorded, self._recorded = self._recorded, []
         if not recorded:
             raise RuntimeError("PerSampleGradients.backward: no training forward pass was recorded; run the "
                                "forward pass inside recording(), with gradients enabled and the model in train mode")
-        rows = max(record.activations[-1].shape[0] for record in recorded)
-        if any(rows % record.activations[-1].shape[0] for record in recorded):
-            raise RuntimeError("PerSampleGradients.backward: a recorded pass's rows do not divide the loss's "
-                               f"{rows} rows: {sorted({record.activations[-1].shape[0] for record in recorded})}")
+        widths = sorted({record.rows for record in recorded})
+        rows = widths[-1]
+        units = rows // self.rows_per_unit
+        if self.rows_per_unit == 1:
+            fits = all(rows % width == 0 for width in widths)
+        else:
+            fits = rows % self.rows_per_unit == 0 and all(width % units == 0 for width in widths)
+        if not fits:
+            raise RuntimeError(f"PerSampleGradients.backward: recorded passes of {widths} rows do not split the loss's "
+                               f"{rows} rows into units of {self.rows_per_unit} adjacent rows")
         backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
-        order = sorted(range(len(recorded)), key=lambda i: recorded[i].activations[-1].shape[0], reverse=True)
+        if self.rows_per_unit == 1:
+            self._per_row(recorded, backprops, rows)
+        else:
+            self._per_unit(recorded, backprops, units)
+
+    def _per_row(self, recorded: list[_RecordedForward], backprops: list[torch.Tensor], rows: int) -> None:
+        """Opacus's per-row gradients. A pass with ``rows / k`` rows has one row per k adjacent
+        rows of the loss, and each of them gets 1/k of its gradient, so the sum over each group
+        of k rows, what pooling per prompt takes, is exact."""
+        order = sorted(range(len(recorded)), key=lambda i: recorded[i].rows, reverse=True)
         assigned: set[torch.nn.Parameter] = set()
         for index in order:  # full-width passes first: the narrower ones add into their rows in place
             record, backprop, backprops[index] = recorded[index], backprops[index], None  # freed once used
-            share = rows // record.activations[-1].shape[0]
+            share = rows // record.rows
             sampler = self._samplers[record.layer]
             # loss_reduction="mean": a row's gradient is rows x its share of the loss's gradient
             for param, sample in sampler(record.layer, record.activations, backprop * rows).items():
@@ -128,6 +171,34 @@ class PerSampleGradients:
                         continue
                 grouped = param.grad_sample.view(-1, share, *sample.shape[1:])  # (rows / share, share, ...)
                 grouped.add_(sample.unsqueeze(1), alpha=1.0 / share)
+
+    def _per_unit(self, recorded: list[_RecordedForward], backprops: list[torch.Tensor], units: int) -> None:
+        """Each unit's gradient: the sum over its rows in every pass, times ``units``
+        (loss_reduction="mean" over units: the unit's gradient of the loss, times their number)."""
+        assigned: set[torch.nn.Parameter] = set()
+        for index, record in enumerate(recorded):
+            backprop, backprops[index] = backprops[index], None  # freed once used
+            for param, sample in self._unit_sums(record, backprop, units).items():
+                if param in assigned:
+                    param.grad_sample.add_(sample)
+                else:
+                    param.grad_sample = sample
+                    assigned.add(param)
+        for param in assigned:
+            param.grad_sample.mul_(units)
+
+    def _unit_sums(self, record: _RecordedForward, backprop: torch.Tensor, units: int) -> dict:
+        """One pass's gradients of one layer, summed over each unit's rows: (units, *shape) per weight."""
+        rows_per_unit = record.rows // units
+        sampler = self._samplers[record.layer]
+        if rows_per_unit == 1:
+            return sampler(record.layer, record.activations, backprop)
+        if type(record.layer) in POSITIONWISE:
+            def merged(t: torch.Tensor) -> torch.Tensor:  # (units * k, ..., d) -> (units, k * ..., d), a view
+                return t.reshape(units, -1, t.shape[-1])
+            return sampler(record.layer, [merged(a) for a in record.activations], merged(backprop))
+        return {param: sample.view(units, rows_per_unit, *sample.shape[1:]).sum(1)
+                for param, sample in sampler(record.layer, record.activations, backprop).items()}
 
     def close(self) -> None:
         """Detach what functorch attached to the layers (nothing in the default mode)."""
