@@ -65,7 +65,23 @@ class _RecordedForward:
         return self.activations[-1].shape[0]
 
 
-POSITIONWISE = (torch.nn.Linear,)  # layer types that act on each position alone: a unit's rows can be concatenated
+def linear_unit_gradients(layer: torch.nn.Linear, activations: list[torch.Tensor],
+                          backprops: torch.Tensor) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Opacus's ``compute_linear_grad_sample`` for activations (units, positions, in) and backprops
+    (units, positions, out): the same sums over positions, as one batched matrix product
+    oriented so that each unit's block is (min(in, out), max(in, out)). With a LoRA rank r far
+    below the width d, MKL's bmm computes an r x d block several times faster than a d x r one,
+    which is the block Opacus's einsum asks for in every ``lora_B`` (3.4x less time over the
+    samplers of ``benchmarks/dp_overhead.py``'s shapes)."""
+    inputs = activations[0].to(backprops.dtype)
+    gradients = {}
+    if layer.weight.requires_grad:
+        gradients[layer.weight] = (torch.bmm(inputs.transpose(1, 2), backprops).transpose(1, 2)
+                                   if layer.out_features > layer.in_features
+                                   else torch.bmm(backprops.transpose(1, 2), inputs))
+    if layer.bias is not None and layer.bias.requires_grad:
+        gradients[layer.bias] = backprops.sum(1)
+    return gradients
 
 
 def sampled_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -95,6 +111,7 @@ class PerSampleGradients:
     def __init__(self, model: torch.nn.Module, *, functorch: bool = False, rows_per_unit: int = 1) -> None:
         self.layers = list(sampled_layers(model))
         self.rows_per_unit = rows_per_unit
+        self.functorch = functorch
         self._samplers = {layer: self._sampler(layer, functorch) for layer in self.layers}
         self._recorded: list[_RecordedForward] = []
 
@@ -145,7 +162,10 @@ class PerSampleGradients:
         if not fits:
             raise RuntimeError(f"PerSampleGradients.backward: recorded passes of {widths} rows do not split the loss's "
                                f"{rows} rows into units of {self.rows_per_unit} adjacent rows")
-        backprops = list(torch.autograd.grad(loss, [record.output for record in recorded]))
+        # loss_reduction="mean" over units: per unit the loss's gradient enters scaled by their number; per row
+        # each backprop is scaled by the rows afterwards, as Opacus does it (bit for bit)
+        root = torch.full_like(loss, 1.0 if self.rows_per_unit == 1 else units)
+        backprops = list(torch.autograd.grad(loss, [record.output for record in recorded], grad_outputs=root))
         if self.rows_per_unit == 1:
             self._per_row(recorded, backprops, rows)
         else:
@@ -173,8 +193,7 @@ class PerSampleGradients:
                 grouped.add_(sample.unsqueeze(1), alpha=1.0 / share)
 
     def _per_unit(self, recorded: list[_RecordedForward], backprops: list[torch.Tensor], units: int) -> None:
-        """Each unit's gradient: the sum over its rows in every pass, times ``units``
-        (loss_reduction="mean" over units: the unit's gradient of the loss, times their number)."""
+        """Each unit's gradient: the sum over its rows in every pass (of the loss scaled by ``units``)."""
         assigned: set[torch.nn.Parameter] = set()
         for index, record in enumerate(recorded):
             backprop, backprops[index] = backprops[index], None  # freed once used
@@ -182,23 +201,21 @@ class PerSampleGradients:
                 if param in assigned:
                     param.grad_sample.add_(sample)
                 else:
-                    param.grad_sample = sample
+                    param.grad_sample = sample.contiguous()  # bmm's transposed blocks: Opacus flattens each unit's
                     assigned.add(param)
-        for param in assigned:
-            param.grad_sample.mul_(units)
 
     def _unit_sums(self, record: _RecordedForward, backprop: torch.Tensor, units: int) -> dict:
-        """One pass's gradients of one layer, summed over each unit's rows: (units, *shape) per weight."""
-        rows_per_unit = record.rows // units
-        sampler = self._samplers[record.layer]
-        if rows_per_unit == 1:
-            return sampler(record.layer, record.activations, backprop)
-        if type(record.layer) in POSITIONWISE:
+        """One pass's gradients of one layer, each unit's summed over its rows: (units, *shape) per weight."""
+        layer = record.layer
+        if type(layer) is torch.nn.Linear:  # position-wise: a unit's k rows of T positions are one row of k * T
+
             def merged(t: torch.Tensor) -> torch.Tensor:  # (units * k, ..., d) -> (units, k * ..., d), a view
                 return t.reshape(units, -1, t.shape[-1])
-            return sampler(record.layer, [merged(a) for a in record.activations], merged(backprop))
-        return {param: sample.view(units, rows_per_unit, *sample.shape[1:]).sum(1)
-                for param, sample in sampler(record.layer, record.activations, backprop).items()}
+
+            sampler = self._samplers[layer] if self.functorch else linear_unit_gradients
+            return sampler(layer, [merged(a) for a in record.activations], merged(backprop))
+        return {param: sample.view(units, -1, *sample.shape[1:]).sum(1)
+                for param, sample in self._samplers[layer](layer, record.activations, backprop).items()}
 
     def close(self) -> None:
         """Detach what functorch attached to the layers (nothing in the default mode)."""

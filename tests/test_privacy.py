@@ -228,7 +228,7 @@ def test_per_unit_gradients_equal_each_unit_alone(models, batch, mode, shared_pr
     pooled_rows = [g.view(G, N_RESPONSES, *g.shape[1:]).mean(1) for g in per_row]
     for unit in range(G):
         got, want = flat(g[unit] for g in per_unit), flat(g[unit] for g in pooled_rows)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     alone = unit_gradients_alone(policy, batch)
     for unit in range(G):
         got, want = flat(g[unit] for g in per_unit), flat(alone[unit])
