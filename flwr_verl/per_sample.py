@@ -12,30 +12,34 @@ gradient at those outputs alone (Opacus's backprops), which also skips the batch
 every trainable weight: DP-SGD replaces it with the clipped, noised sum of the per-sample
 gradients anyway.
 
-The per-sample gradients themselves are Opacus's: each layer's grad sampler
-(``GradSampleHooks.GRAD_SAMPLERS``, or functorch for ``grad_sample_mode="functorch"`` and for
-layer types without one), fed activations and backprops, scaled as for ``loss_reduction="mean"``.
 A sample is one privacy unit: ``rows_per_unit`` adjacent rows of the loss.
 
 * **Per row** (``rows_per_unit=1``: units of any size, pooled afterwards by
-  ``privacy.pool_rows``): the values Opacus's hooks give, bit for bit, on a forward that runs
-  every layer on all rows (``tests/test_privacy.py`` checks it).
-* **Per unit** (``rows_per_unit=n``: a prompt and its n responses): the sum over each unit's rows
-  of their per-row gradients, computed without them. Opacus's samplers sum over every
-  dimension between the batch and the features, and a linear layer acts on each position alone,
-  so for ``nn.Linear`` a unit's n rows of T positions are handed to the sampler as one row of
-  n*T positions (a free view of the (B*n, T, d) activations and backprops as (B, n*T, d)): the
-  output is n times smaller, and the same einsum runs as one batched matrix product per unit.
-  Another layer type gets its per-row gradients summed per unit. A prompt pass of B rows
-  (``forward.response_logits``) already has one row per unit and adds in whole. The result equals
-  the mean over each unit's rows of the per-row gradients (what pooling per prompt took before)
-  up to float rounding (the sums run in another order), not bit for bit.
+  ``privacy.pool_rows``): each layer's Opacus grad sampler (``GradSampleHooks.GRAD_SAMPLERS``,
+  or functorch for ``grad_sample_mode="functorch"`` and for layer types without one), fed the
+  activations and the backprops scaled as for ``loss_reduction="mean"``: the values Opacus's
+  hooks give, bit for bit, on a forward that runs every layer on all rows
+  (``tests/test_privacy.py`` checks it).
+* **Per unit** (``rows_per_unit=n``: a prompt and its n responses, the PPO update's unit): the
+  sum over each unit's rows of their per-row gradients, computed without them. A linear layer
+  acts on each position alone and its weight gradient is a sum over positions, so for
+  ``nn.Linear`` a unit's n rows of T positions are one row of n*T positions (a free view of the
+  (B*n, T, d) activations and backprops as (B, n*T, d)): the output is n times smaller and no
+  pooling is left to do. Its gradients come from ``linear_unit_gradients`` (Opacus's linear
+  sampler as one batched matrix product in the faster orientation), or from Opacus's
+  functorch on the same views. Any other layer type gets Opacus's per-row gradients, summed per
+  unit. A prompt pass of B rows (``forward.response_logits``) has one row per unit and adds in
+  whole. The loss's gradient enters scaled by the number of units (``loss_reduction="mean"``
+  over units). The result equals the mean over each unit's rows of the per-row gradients (what
+  pooling per prompt took) up to float rounding (the same products, summed in another order),
+  not bit for bit.
 
 That is safe for DP: Opacus's ``DPOptimizer`` still clips each unit's gradient to
 ``max_grad_norm`` before summing and noising, and each unit's gradient is still computed from that
 unit's rows alone (every sum stays inside the unit), so one unit's influence on the noised sum is
 at most ``max_grad_norm`` whatever its rounding: the sensitivity is unchanged.
-(``tests/test_privacy.py`` checks it against each unit's gradient computed alone.)
+(``tests/test_privacy.py`` checks each unit's gradient against the unit computed alone and against
+its pooled per-row gradients.)
 Clipping, noise and the optimizer step stay Opacus's ``DPOptimizer``.
 """
 
