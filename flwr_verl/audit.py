@@ -20,9 +20,9 @@ Two kinds of canaries (``audit.kind``).
 privacy unit whose gradient is ``privacy.max_grad_norm`` times a sign on one adapter weight and 0
 elsewhere (``GradientCanaries``). A member enters the canary client's real update exactly as a
 prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q each local
-iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as ``rollout.n``
-per-response gradient rows, so it goes through the per-prompt pooling, Opacus's clipping, the
-noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
+iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as one per-prompt
+gradient sample (as ``rollout.n`` per-response ones when the update clips per response), so it
+goes through Opacus's clipping, the noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
 one more unit of the mini-batch's mean gradient. So a canary is one privacy unit of the RL
 update (a prompt with all its responses) in the worst case DP must cover: a unit gradient at the
 clipping norm, along a direction no other prompt pushes. Its score is how far its weight moved
