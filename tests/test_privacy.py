@@ -303,6 +303,18 @@ def test_per_row_gradients_are_bit_identical_to_opacus_hooks(models, batch, mode
     assert not mismatched, f"per-row gradients differ from Opacus's hooks for {len(mismatched)} weights"
 
 
+def test_pooling_by_unit_of_row_needs_per_row_gradients(models):
+    """An update whose gradients are already per prompt refuses to pool them again by ``unit_of_row``."""
+    private = attach(models.policy, torch.optim.SGD(trainable(models.policy), lr=1.0), noise=0.0)
+    try:
+        for param in private.optimizer.params:
+            param.grad_sample = torch.zeros((G, *param.shape))
+        with pytest.raises(ValueError, match=r"pooling by unit_of_row needs rows_per_unit=1"):
+            private.step(torch.arange(G))
+    finally:
+        private.close()
+
+
 def test_passes_outside_the_update_run_unhooked_and_record_nothing(models, batch, rows):
     """While a private update is open, generation and no-grad passes give exactly what they give
     without DP and leave nothing behind; inside its recording only the training forward counts."""
