@@ -205,7 +205,8 @@ class PerSampleGradients:
                 if param in assigned:
                     param.grad_sample.add_(sample)
                 else:
-                    param.grad_sample = sample.contiguous()  # bmm's transposed blocks: Opacus flattens each unit's
+                    # linear_unit_gradients may give transposed blocks; Opacus flattens each unit's gradient
+                    param.grad_sample = sample.contiguous()
                     assigned.add(param)
 
     def _unit_sums(self, record: _RecordedForward, backprop: torch.Tensor, units: int) -> dict:
