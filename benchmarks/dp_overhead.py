@@ -5,8 +5,8 @@ responses, one mini-batch), one batch is rolled out once; then the policy update
 same batch is timed with and without DP, side by side, alternating the order every repeat:
 
 * ``none``: the trainer's non-private update (global-norm clip, AdamW);
-* ``hooks`` / ``functorch``: the trainer's DP update (Opacus per-row gradients pooled per
-  prompt, per-prompt clipping, Gaussian noise, AdamW), attached with ``make_private`` exactly
+* ``hooks`` / ``functorch``: the trainer's DP update (per-prompt gradients,
+  ``per_sample.PerSampleGradients``, per-prompt clipping, Gaussian noise, AdamW), attached with ``make_private`` exactly
   as ``LocalPPOTrainer.fit`` does. Attaching and detaching Opacus are outside the timed span:
   they happen once per fit, not once per update.
 

@@ -20,9 +20,9 @@ Two kinds of canaries (``audit.kind``).
 privacy unit whose gradient is ``privacy.max_grad_norm`` times a sign on one adapter weight and 0
 elsewhere (``GradientCanaries``). A member enters the canary client's real update exactly as a
 prompt does (``WithGradientCanaries``): Poisson-sampled at the update's rate q each local
-iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as ``rollout.n``
-per-response gradient rows, so it goes through the per-prompt pooling, Opacus's clipping, the
-noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
+iteration, assigned to a mini-batch in each PPO epoch; under DP it arrives as one per-prompt
+gradient sample (as ``rollout.n`` per-response ones when the update clips per response), so it
+goes through Opacus's clipping, the noise of the accounted noise multiplier, the optimizer, FedProx's aggregation; without DP it is
 one more unit of the mini-batch's mean gradient. So a canary is one privacy unit of the RL
 update (a prompt with all its responses) in the worst case DP must cover: a unit gradient at the
 clipping norm, along a direction no other prompt pushes. Its score is how far its weight moved
@@ -282,9 +282,11 @@ class WithGradientCanaries:
     """One fit's update (``trainer.PlainUpdate`` or ``privacy.PrivateUpdate``) with the member
     gradient canaries as extra privacy units, sampled as a prompt is: in each local iteration
     with the update's sample rate q, then, in each of the ``ppo_epochs`` passes, into one of the
-    mini-batches uniformly. Under DP a sampled canary enters the real mechanism as ``rows_per_unit``
-    per-row gradient samples, so the per-prompt pooling and Opacus's clipping and noise treat it as
-    any prompt; without DP it joins the mini-batch's mean gradient as one more unit."""
+    mini-batches uniformly. Under DP a sampled canary enters the real mechanism as a prompt of
+    ``rows_per_unit`` responses does: as one per-prompt gradient sample (as many per-response
+    ones, when the update clips per response, ``broken_mechanism("unpooled")``), so Opacus's
+    clipping and noise treat it as any prompt; without DP it joins the mini-batch's mean gradient
+    as one more unit."""
 
     def __init__(self, update, canaries: GradientCanaries, members: np.ndarray, *, sample_rate: float,
                  rows_per_unit: int, ppo_epochs: int, num_mini_batches: int, rng: np.random.Generator) -> None:
@@ -292,6 +294,8 @@ class WithGradientCanaries:
         self.sample_rate, self.rows_per_unit, self.rng = sample_rate, rows_per_unit, rng
         self.num_mini_batches, self.steps_per_iteration = num_mini_batches, ppo_epochs * num_mini_batches
         self.private = update.mechanism is not None
+        # a canary's gradient samples: one per unit of the update's rows_per_unit rows
+        self.samples_per_canary = rows_per_unit // update.rows_per_unit if self.private else 1
         self.params = update.optimizer.params if self.private else update.params
         self.offsets = np.cumsum([0] + [p.numel() for p in self.params])
         self.steps, self.sampled, self.assigned, self.sizes = 0, members[:0], members[:0], []
@@ -328,15 +332,16 @@ class WithGradientCanaries:
         if len(present):
             rows = self._gradients(present)
             for param, grads in zip(self.params, rows):
-                if self.private:  # rows_per_unit identical rows: pooled, they are the canary's gradient
-                    param.grad_sample = torch.cat([param.grad_sample, grads.repeat_interleave(self.rows_per_unit, 0)])
+                if self.private:
+                    copies = grads.repeat_interleave(self.samples_per_canary, 0)
+                    param.grad_sample = torch.cat([param.grad_sample, copies])
                 else:  # the mean over the mini-batch's units, the canaries included
                     units = self.sizes[(self.steps - 1) % self.num_mini_batches]
                     param.grad = (param.grad * units + grads.sum(0)) / (units + len(present))
             if unit_of_row is not None:  # the canaries' rows are units of their own
                 first = int(unit_of_row.max()) + 1
                 extra = torch.arange(first, first + len(present), device=unit_of_row.device)
-                unit_of_row = torch.cat([unit_of_row, extra.repeat_interleave(self.rows_per_unit)])
+                unit_of_row = torch.cat([unit_of_row, extra.repeat_interleave(self.samples_per_canary)])
         return self.update.step(unit_of_row)
 
     def noise_only_step(self) -> None:
@@ -345,7 +350,7 @@ class WithGradientCanaries:
             self.update.noise_only_step()
             return
         for param, grads in zip(self.params, self._gradients(present)):
-            param.grad_sample = grads.repeat_interleave(self.rows_per_unit, 0)
+            param.grad_sample = grads.repeat_interleave(self.samples_per_canary, 0)
         self.update.step()
 
 
@@ -467,31 +472,25 @@ def broken_mechanism(flaw: str = "unclipped_noiseless"):
     ``unpooled``: no per-prompt pooling: Opacus clips each response's gradient on its own, so a
     prompt with n responses weighs up to n times ``max_grad_norm`` against noise calibrated for 1.
     """
-    from flwr_verl import privacy, trainer
+    from flwr_verl import trainer
 
     if flaw not in FLAWS:
         raise ValueError(f"flaw={flaw!r}: expected one of {', '.join(FLAWS)}")
-    if flaw == "unpooled":
-        module, name = privacy, "pool_units"
+    real_make_private = trainer.make_private
 
-        def broken(params, rows_per_unit):
-            """Leave the per-response gradient samples as they are: each row is clipped as a unit."""
-    else:
-        module, name = trainer, "make_private"
-        real_make_private = trainer.make_private
+    def broken(*args, **kwargs):
+        if flaw == "unpooled":  # per-response gradient samples: each response is clipped as a unit
+            return real_make_private(*args, **{**kwargs, "rows_per_unit": 1})
+        update = real_make_private(*args, **kwargs)
+        update.optimizer.max_grad_norm = 1e6
+        update.optimizer.noise_multiplier = 0.0
+        return update
 
-        def broken(*args, **kwargs):
-            update = real_make_private(*args, **kwargs)
-            update.optimizer.max_grad_norm = 1e6
-            update.optimizer.noise_multiplier = 0.0
-            return update
-
-    real = getattr(module, name)
-    setattr(module, name, broken)
+    trainer.make_private = broken
     try:
         yield
     finally:
-        setattr(module, name, real)
+        trainer.make_private = real_make_private
 
 
 # ----------------------------------------------------------------------------- the command

@@ -28,7 +28,7 @@ DP_POLICY_LOSSES = ("vanilla", "gspo", "gpg")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PER_SEQUENCE_AGG_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-# Opacus modes that materialise per-row gradients, which are pooled per prompt before clipping.
+# Opacus modes that materialise per-sample (per-prompt, or per-row then pooled) gradients before clipping.
 # "ghost" never materialises them and "ew" needs a positional-input module: neither fits.
 GRAD_SAMPLE_MODES = ("hooks", "functorch")
 PRIVACY_METRICS = ("auto", "clear", "none", "dp")

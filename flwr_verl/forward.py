@@ -13,8 +13,9 @@ positions (``logits_to_keep``) in every pass. Generation takes the same repeated
 (``prompt_cache``, used by ``rollout.generate``): it samples the same tokens.
 
 Under DP each layer then runs twice per update, once on B prompt rows and once on B*n response
-rows; ``per_sample.PerSampleGradients`` gives a prompt row's gradient to its n rows in equal
-shares, so every prompt's pooled gradient (what DP-SGD clips) is the full forward's.
+rows; ``per_sample.PerSampleGradients`` adds a prompt row's gradient to its prompt's (per row:
+to its n rows in equal shares), so every prompt's gradient (what DP-SGD clips) is the full
+forward's.
 
 A batch whose rows do not come in groups of n identical prompts (n = 1, or rows picked one by
 one) takes the full forward, and so does every pass with ``model.shared_prompt_cache = false``

@@ -9,9 +9,10 @@ forward of the policy, generation included). ``PrivacyAccount`` owns what was sp
 serialises it.
 
 **Privacy unit.** One prompt with everything generated from it: its ``n`` responses, their
-rewards, advantages and the KL terms. Opacus computes one gradient per response row; the rows of
-a unit are pooled into one unit gradient (``pool_units``) before Opacus clips it to
-``max_grad_norm`` and adds Gaussian noise of std ``noise_multiplier * max_grad_norm``.
+rewards, advantages and the KL terms. ``per_sample.PerSampleGradients`` computes one gradient
+per unit, the gradient of the mean loss over its n response rows (units of varying size get
+per-row gradients, pooled by ``pool_rows``), before Opacus clips it to ``max_grad_norm`` and
+adds Gaussian noise of std ``noise_multiplier * max_grad_norm``.
 
 **Sampling.** Each local iteration Poisson-samples prompts at rate q = train_batch_size / N.
 An empty draw still makes its (noise-only) steps, so the number of releases never depends on
@@ -264,26 +265,14 @@ def release_metrics(centered_sums: dict[str, float], ranges: dict[str, tuple[flo
 
 
 # ----------------------------------------------------------------------------- the private update
-def pool_units(params: list[torch.nn.Parameter], rows_per_unit: int) -> None:
-    """Turn per-row gradient samples into per-unit ones: the mean over each unit's adjacent rows.
-
-    The loss is a mean over rows and Opacus's ``loss_reduction="mean"`` scales each row's
-    gradient sample to that row's own loss gradient, so the mean over a unit's rows is the
-    gradient of the unit's mean loss.
-    """
-    for param in params:
-        sample = param.grad_sample
-        param.grad_sample = sample.view(-1, rows_per_unit, *sample.shape[1:]).mean(dim=1)
-
-
 def pool_rows(params: list[torch.nn.Parameter], unit_of_row: torch.Tensor, num_units: int) -> None:
-    """``pool_units`` for units with different numbers of rows (a prompt with any number of
-    preference pairs): row r belongs to unit ``unit_of_row[r]``.
+    """Turn per-row gradient samples into per-unit ones, for units with different numbers of
+    rows (a prompt with any number of preference pairs): row r belongs to unit ``unit_of_row[r]``.
+    (Units of n adjacent rows each get their gradients directly: ``PerSampleGradients``.)
 
     The loss is the mean over units of each unit's own loss. Opacus's ``loss_reduction="mean"``
     scales each of the R rows' gradient samples by R, so unit u's gradient is
-    (num_units / R) * the sum of its rows' samples; with n rows in every unit that is
-    ``pool_units``' mean.
+    (num_units / R) * the sum of its rows' samples.
     """
     for param in params:
         sample = param.grad_sample
@@ -306,10 +295,10 @@ class PrivateUpdate:
     """The DP-SGD update of one fit: what ``make_private`` returns.
 
     ``split`` assigns sampled units to mini-batches; the update's forward passes run inside
-    ``recording()``, and ``backward(loss)`` computes each row's gradient from them; ``step``
-    takes one mini-batch's DP step (pool per prompt, clip, noise, FedProx's data-independent
-    term, optimizer step); ``noise_only_step`` takes the step of an empty mini-batch; ``close``
-    detaches Opacus.
+    ``recording()``, and ``backward(loss)`` computes each unit's gradient from them (each
+    row's, with ``rows_per_unit=1``); ``step`` takes one mini-batch's DP step (clip per unit,
+    noise, FedProx's data-independent term, optimizer step); ``noise_only_step`` takes the step
+    of an empty mini-batch; ``close`` detaches Opacus.
     """
 
     optimizer: DPOptimizer
@@ -332,20 +321,22 @@ class PrivateUpdate:
         return self.per_sample.recording()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Per-row gradients (``grad_sample``) of the mini-batch's mean-over-rows ``loss``."""
+        """Per-unit gradients (``grad_sample``) of the mini-batch's mean-over-rows ``loss``, for
+        units of ``rows_per_unit`` adjacent rows."""
         self.per_sample.backward(loss)
 
     def step(self, unit_of_row: torch.Tensor | None = None) -> dict[str, float]:
-        """After ``backward(loss)`` on one mini-batch: one DP-SGD step. Rows are pooled into
-        units by ``unit_of_row`` (ids 0..U-1) when given, else ``rows_per_unit`` adjacent rows
-        at a time."""
+        """After ``backward(loss)`` on one mini-batch: one DP-SGD step. With ``unit_of_row``
+        (ids 0..U-1; needs ``rows_per_unit=1``) the per-row gradients are pooled into those units
+        first."""
         if any(getattr(param, "grad_sample", None) is None for param in self.optimizer.params):
             raise RuntimeError("PrivateUpdate.step: no per-sample gradients; run the forward pass inside "
                                "update.recording() and call update.backward(loss), not loss.backward()")
         if unit_of_row is not None:
+            if self.rows_per_unit != 1:
+                raise ValueError(f"PrivateUpdate.step(unit_of_row): the gradients are already per unit of "
+                                 f"{self.rows_per_unit} rows; pooling by unit_of_row needs rows_per_unit=1")
             pool_rows(self.optimizer.params, unit_of_row, int(unit_of_row.max()) + 1)
-        else:
-            pool_units(self.optimizer.params, self.rows_per_unit)
         self._noisy_step()
         return {}
 
@@ -424,5 +415,6 @@ def make_private(
         mechanism=IterationMechanism(noise_multiplier, sampler.sample_rate, ppo_epochs),
         proximal=proximal or Proximal.none(), rows_per_unit=rows_per_unit, num_mini_batches=num_mini_batches,
         rng=np.random.default_rng(seed + 2),
-        per_sample=PerSampleGradients(policy, functorch=config.grad_sample_mode == "functorch"),
+        per_sample=PerSampleGradients(policy, functorch=config.grad_sample_mode == "functorch",
+                                      rows_per_unit=rows_per_unit),
     )
