@@ -128,6 +128,7 @@ def stage1(args, workdir: Path) -> dict:
         "stage": "reward_model", "num-server-rounds": args.rm_rounds, "data.train_size": args.rm_train_size,
         "data.val_size": args.rm_val_size, "data.train_batch_size": args.rm_batch_size,
         "actor.ppo_mini_batch_size": args.rm_batch_size, "actor.lr": args.rm_lr,
+        "model.lora_rank": args.rm_lora_rank, "model.lora_alpha": 2.0 * args.rm_lora_rank,
     }
     config = parse_run_config(run_config).engine
     models = build_reward_model_trainee(config.model, seed=args.seed)
@@ -186,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rm-val-size", type=int, default=120)
     parser.add_argument("--rm-batch-size", type=int, default=64)
     parser.add_argument("--rm-lr", type=float, default=3e-3)
+    parser.add_argument("--rm-lora-rank", type=int, default=8, help="the reward model's LoRA rank (alpha 2 x rank)")
     parser.add_argument("--ppo-rounds", type=int, default=2)
     parser.add_argument("--ppo-train-size", type=int, default=512)
     parser.add_argument("--ppo-batch-size", type=int, default=32)
