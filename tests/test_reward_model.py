@@ -51,7 +51,7 @@ def test_scores_equal_a_direct_forward_at_the_last_token(policy, reward_model_di
         response = models.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
         messages = row["prompt"] + [{"role": "assistant", "content": response}]
         text = (tokenizer.apply_chat_template(messages, tokenize=False) if which == "other"
-                else "<s>" + row["prompt"][0]["content"] + response)
+                else "<s>" + row["prompt"][0]["content"] + response + "</s>")
         with torch.no_grad():
             expected = reference(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
         assert scores[i, length - 1].item() == pytest.approx(expected.item(), abs=1e-5)
