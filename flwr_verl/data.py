@@ -153,7 +153,9 @@ def reasoning_gym_entries(name: str, size: int, seed: int, split: str,
     kept: dict[str, dict[str, Any]] = {}
     for attempt in range(REASONING_GYM_ATTEMPTS):
         try:
-            dataset = reasoning_gym.create_dataset(name, size=chunk, seed=seed * 1_000_003 + attempt, **(params or {}))
+            # reasoning-gym seeds entry i with seed + i: attempts ``chunk`` seeds apart share no entry.
+            dataset = reasoning_gym.create_dataset(name, size=chunk, seed=seed * 1_000_003 + attempt * chunk,
+                                                   **(params or {}))
         except (TypeError, AssertionError, ValueError) as error:  # reasoning-gym's config dataclass and its checks
             raise DataError(f"data.task_params={json.dumps(params)!r} for reasoning_gym:{name}: {error}") from error
         for entry in dataset:
