@@ -129,7 +129,7 @@ def task_rows(task: str, size: int, seed: int, split: str, params: dict[str, Any
             # reasoning-gym scores an answer against its whole entry (answer and metadata).
             "extra_info": {"split": split, "index": index, "reasoning_gym_entry": dict(entry)},
         }
-        for index, entry in enumerate(reasoning_gym_entries(name, size, seed, split, params or {}))
+        for index, entry in enumerate(reasoning_gym_entries(name, size, seed, split, params))
     ]
 
 

@@ -498,7 +498,7 @@ class FedProxAdapters(Strategy):
     def evaluation_can_carry_preflight(self) -> bool:
         """Whether the initial evaluation reaches every connected client (``fraction-evaluate=1``),
         so that it can carry the preflight instead of a message of its own."""
-        return bool(self.config.evaluate_every) and self.config.fraction_evaluate == 1.0
+        return self.config.fraction_evaluate == 1.0
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:
         """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients. A

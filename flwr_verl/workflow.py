@@ -84,6 +84,9 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
     return results, failures
 
 
+FIRST_ROUND = 1  # Flower's number of a run's first round: the preflight belongs to it
+
+
 class RoundLoop:
     """The fit and evaluate steps that ``DefaultWorkflow`` runs each round, with deadlines.
 
@@ -104,7 +107,7 @@ class RoundLoop:
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         grid = MeteredGrid(grid, self.wire)
         current = current_round(legacy)
-        if current == 1:  # the first round of this run, fresh or resumed
+        if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
             self.first_round(grid, legacy)
         if self.secure_fit is not None:
             self.secure_fit(grid, legacy)
@@ -138,10 +141,10 @@ class RoundLoop:
     def preflight(self, grid: Grid, legacy: LegacyContext) -> None:
         """Before anything trains, every connected client checks the config against its own
         data; problems end the run with one line per distinct error."""
-        instructions = self.strategy.configure_preflight(1, legacy.client_manager)
-        results, failures = exchange(grid, instructions, MessageTypeLegacy.GET_PROPERTIES, 1,
+        instructions = self.strategy.configure_preflight(FIRST_ROUND, legacy.client_manager)
+        results, failures = exchange(grid, instructions, MessageTypeLegacy.GET_PROPERTIES, FIRST_ROUND,
                                      self.federation.evaluate_timeout)
-        self.strategy.check_preflight(1, results, failures)
+        self.strategy.check_preflight(FIRST_ROUND, results, failures)
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
         record = dict(self.strategy.state_dict()["last_round"])
@@ -179,7 +182,7 @@ class RoundLoop:
         results, failures = exchange(grid, instructions, MessageType.EVALUATE, server_round,
                                      self.federation.evaluate_timeout)
         if preflight:
-            self.strategy.check_preflight(1, results, failures)
+            self.strategy.check_preflight(FIRST_ROUND, results, failures)
         _, metrics = self.strategy.aggregate_evaluate(server_round, results, failures)
         return {**metrics, "seconds": time.perf_counter() - start} if metrics else {}
 
