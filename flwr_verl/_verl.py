@@ -38,6 +38,7 @@ try:
         from verl.utils.import_utils import load_extern_object
         from verl.utils.model import compute_position_id_with_mask
         from verl.utils.reward_score import default_compute_score
+        from verl.utils.reward_score.gsm8k import extract_solution
         from verl.workers.config import ActorConfig as VerlActorConfig
 finally:
     logging.disable(logging.NOTSET)
@@ -106,6 +107,7 @@ __all__ = [
     "core_algos",
     "compute_position_id_with_mask",
     "default_compute_score",
+    "extract_solution",
     "load_extern_object",
     "verl_F",
 ]

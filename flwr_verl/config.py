@@ -138,9 +138,26 @@ class DataConfig:
         return parameters if isinstance(parameters, dict) else None
 
 
+PKG_PREFIX = "pkg://"  # verl's load_extern_object: a module by import path instead of a file
+
+
+def _importable(path: str) -> bool:
+    """A .py file that exists, or ``pkg://module.path`` naming a module that can be imported."""
+    if not path.startswith(PKG_PREFIX):
+        return Path(path).is_file()
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(path.removeprefix(PKG_PREFIX).replace("/", ".")) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
+
+
 @dataclass
 class RewardConfig:
-    """verl's ``custom_reward_function``: ``path`` to a .py file and the ``name`` of its function.
+    """verl's ``custom_reward_function``: ``path`` to a .py file (or, as verl's ``load_extern_object``
+    takes it, ``pkg://`` and a module's import path) and the ``name`` of its function. Built in:
+    ``pkg://flwr_verl.rewards`` with ``final_number_score`` (the reply's last number).
 
     Empty ``path``: the task generator's own scorer, else verl's ``default_compute_score``.
     ``clip`` (ours; verl has no reward clipping key) bounds every score to [-clip, clip]; at 0 a
@@ -153,7 +170,8 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.path:
-            require(Path(self.path).is_file(), "custom_reward_function.path", self.path, "must be an existing .py file")
+            require(_importable(self.path), "custom_reward_function.path", self.path,
+                    f"must be an existing .py file or {PKG_PREFIX}<an importable module>")
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "must be a Python identifier")
         require(math.isfinite(self.clip) and self.clip >= 0, "custom_reward_function.clip", self.clip,
                 "must be a finite number >= 0 (0 = off)")

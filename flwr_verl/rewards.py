@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from flwr_verl._verl import DataProto, default_compute_score, load_extern_object
+from flwr_verl._verl import DataProto, default_compute_score, extract_solution, load_extern_object
 from flwr_verl.config import DataConfig, FlwrVerlError, RewardConfig
 from flwr_verl.data import task_compute_score
 
@@ -40,6 +40,25 @@ _BOUND = "flwr_verl_reward_clip"  # attribute that marks a checked function (its
 
 class RewardError(FlwrVerlError, RuntimeError):
     """A reward function failed or returned something that is not a finite number."""
+
+
+def final_number_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the last number in the response equals ``ground_truth`` (as numbers), else 0.0.
+
+    The answer is read as GSM8K graders read it, with verl's "flexible" extraction
+    (``gsm8k.extract_solution``), minus the sentence's closing period and thousands separators
+    that verl's pattern keeps ("is 1,043." -> "1043"). For instruction-tuned models that state
+    the answer in a sentence ("The answer to this problem is 43.") where the task's own scorer
+    wants the bare number. Use it with ``custom_reward_function.path="pkg://flwr_verl.rewards"``
+    and ``custom_reward_function.name="final_number_score"``."""
+    answer = extract_solution(solution_str, method="flexible")
+    if answer is None:
+        return 0.0
+    answer, expected = answer.replace(",", "").rstrip("."), str(ground_truth).replace(",", "").strip()
+    try:
+        return float(float(answer) == float(expected))
+    except ValueError:  # "1.2.3", or a ground truth that is no number
+        return float(answer == expected)
 
 
 def load_function(path: str, name: str) -> ComputeScore:

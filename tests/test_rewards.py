@@ -9,10 +9,10 @@ import pytest
 
 from flwr_verl import embedded
 from flwr_verl._verl import default_compute_score
-from flwr_verl.config import DataConfig, RewardConfig
+from flwr_verl.config import ConfigError, DataConfig, RewardConfig
 from flwr_verl.data import load_rows
 from flwr_verl.models import build_models
-from flwr_verl.rewards import RewardError, checked, load_function, resolve_compute_score
+from flwr_verl.rewards import RewardError, checked, final_number_score, load_function, resolve_compute_score
 from flwr_verl.trainer import LocalPPOTrainer
 
 REWARD_FILE = '''
@@ -64,6 +64,28 @@ def test_missing_file_function_or_broken_file_is_a_reward_error(reward_file, tmp
     broken.write_text("import no_such_module_xyz\n")
     with pytest.raises(RewardError, match=r"failed to import: ModuleNotFoundError\(.*no_such_module_xyz"):
         load_function(str(broken), "compute_score")
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("The answer to this arithmetic problem is 43.", "43", 1.0),  # verl's pattern keeps the period
+    ("43", "43", 1.0), ("-7", "-7", 1.0), ("It is 1,043.", "1043", 1.0), ("3.0", "3", 1.0),
+    ("12 + 31 = 44.", "43", 0.0),  # the last number counts, not any number
+    ("43 or 44", "43", 0.0), ("no number", "43", 0.0), ("...", "1", 0.0), ("", "0", 0.0),
+])
+def test_final_number_score_reads_the_last_number_of_the_reply(response, truth, score):
+    assert final_number_score("any", response, truth) == score
+
+
+def test_a_built_in_scorer_is_chosen_by_import_path_as_verl_takes_it():
+    reward = RewardConfig(path="pkg://flwr_verl.rewards", name="final_number_score")
+    score = resolve_compute_score(reward, DataConfig())
+    assert score.__wrapped__ is final_number_score
+    assert score("any", "The answer is 5.", "5") == 1.0
+    with pytest.raises(ConfigError, match=r"custom_reward_function\.path='pkg://flwr_verl\.no_such_module' is "
+                                          r"invalid: must be an existing \.py file or pkg://<an importable module>"):
+        RewardConfig(path="pkg://flwr_verl.no_such_module")
+    with pytest.raises(ConfigError, match=r"path='pkg://no_such_package\.rewards' is invalid"):
+        RewardConfig(path="pkg://no_such_package.rewards")
 
 
 def test_dict_with_score_from_configured_file_drives_training(setup, reward_file, tiny_config):
