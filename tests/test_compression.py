@@ -96,7 +96,9 @@ def test_a_clientapp_keeps_its_residual_in_the_node_state_across_messages():
 
 @pytest.fixture(scope="module")
 def engine(tiny_config):
-    return tiny_config(trainer={"local_iterations": 1})
+    # 2 iterations of 8 prompts x 4 responses: every client gets some reward signal (a nonzero update)
+    # in round 1 (with 1 x 8 x 2, a client's responses to each prompt could all score alike)
+    return tiny_config(trainer={"local_iterations": 2}, rollout={"n": 4})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,8 @@ def test_the_aggregate_of_the_selected_coordinates_is_their_plain_mean(engine, m
     clients = {str(i): VerlClient(engine, rows[i], [], partition_id=i, models=models) for i in range(3)}
     initial = models.adapters.get_arrays()
     shapes, total = [a.shape for a in initial], sum(a.size for a in initial)
-    strategy = FedProxAdapters(federation(0.25, secure), initial, local_iterations=1, mask_seed=engine.trainer.seed,
+    strategy = FedProxAdapters(federation(0.25, secure), initial, local_iterations=engine.trainer.local_iterations,
+                               mask_seed=engine.trainer.seed,
                                secure_aggregation=SecAggBounds(1.0, 64.0) if secure else None)
     before = [w.detach().numpy().copy() for w in strategy.weights]
     results, _ = fit_round(strategy, InProcessClients(clients), server_round=1, secure=secure)

@@ -104,7 +104,7 @@ def test_evaluation_applies_the_filter_of_the_corpus_file(tmp_path, models, val_
     config = tiny_config(deidentify={"enabled": True, "protect_prompts": False, "corpus_file": str(corpus),
                                      "ngram": NGRAM})
     filtered = LocalPPOTrainer(config, rows, models=models).evaluate(rows)
-    assert plain.accuracy > 0.3 and filtered.accuracy == 0.0
+    assert plain.accuracy >= 2 / 16 and filtered.accuracy == 0.0  # right answers to block, and all blocked
 
 
 def test_disabled_gives_no_processor(models, tiny_config):
@@ -153,8 +153,9 @@ def test_node_corpus_file_overrides_the_run_config(tmp_path, tiny_config):
 
 
 def test_memorised_secrets_are_never_reproduced_with_the_filter(models, tiny_config):
-    """A deliberately memorising setup (the adapter fitted for many epochs on two secrets, no
-    DP): unfiltered, greedy and sampled decoding reproduce the secrets; filtered, never."""
+    """A deliberately memorising setup (the adapter fitted for 200 epochs on two secrets, no DP;
+    greedy decoding wrote both from about 125 on): unfiltered, greedy and sampled decoding
+    reproduce the secrets; filtered, never."""
     tokenizer, policy = models.tokenizer, models.policy
     secrets = {"1=": "4821-9930", "2=": "1357-2468"}
     texts = [tokenizer.bos_token + prompt + secret + tokenizer.eos_token for prompt, secret in secrets.items()]
@@ -165,7 +166,7 @@ def test_memorised_secrets_are_never_reproduced_with_the_filter(models, tiny_con
     torch.manual_seed(0)
     try:
         policy.train()
-        for _ in range(100):
+        for _ in range(200):
             loss = policy(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
             loss.backward()
             optimizer.step()
