@@ -81,7 +81,7 @@ def run(args, freeze_a: bool, seed: int, eval_rows: list[dict]) -> dict:
                                   proximal_mu=0.0, secagg=SecAggConfig(enabled=False))
     adapters = models.adapters
     strategy = FedProxAdapters(federation, adapters.get_arrays(), local_iterations=args.local_iterations,
-                               frozen_adapter=adapters.frozen_fingerprint)
+                               frozen_weights=adapters.frozen_fingerprint)
     evaluator = clients["0"].trainer
     rounds = [{"round": 0, "eval_reward": evaluator.evaluate(eval_rows).reward}]
     start = time.perf_counter()

@@ -276,12 +276,13 @@ class VerlClient(NumPyClient):
                               f"{len(self.train_rows)} training prompts (weight {weight} with privacy.num_examples="
                               f"{self.config.privacy.num_examples!r}), and SecAgg+ would overflow a larger weight; "
                               "raise secagg.max-weight to at least every client's weight")
-        if instructions.frozen_adapter != self.adapters.frozen_fingerprint:
+        if instructions.frozen_weights and instructions.frozen_weights != (own := self.adapters.frozen_fingerprint):
+            frozen_a = " and its frozen LoRA A factors (model.lora_freeze_a)" if self.config.model.lora_freeze_a else ""
             raise ConfigError(
-                f"model.lora_freeze_a={self.config.model.lora_freeze_a}: this client's frozen LoRA A factors "
-                f"(sha256 {self.adapters.frozen_fingerprint[:16] or 'none'}) differ from the server's "
-                f"({instructions.frozen_adapter[:16] or 'none'}). They never travel, so every node must build "
-                "them alike: the same model.path, trainer.seed and library versions (torch, transformers, peft)")
+                f"model.path={self.config.model.path or '(embedded)'}: this client's base model{frozen_a} (sha256 "
+                f"{own[:16]}) differ from the server's ({instructions.frozen_weights[:16]}). They never travel, so "
+                "every node must load the same weights: the same model files, model.dtype, trainer.seed and "
+                "library versions (torch, transformers, peft)")
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
         start = time.perf_counter()

@@ -286,16 +286,16 @@ class AdapterSet:
 
     @property
     def frozen_fingerprint(self) -> str:
-        """sha256 of the frozen LoRA A factors (FFA-LoRA; "" when none is frozen). They never
-        travel, so the server and every client must have built the same ones: the preflight
-        compares this fingerprint."""
-        frozen = [param for model in self.models.values() for _, param in lora_a_factors(model)
-                  if not param.requires_grad]
-        if not frozen:
-            return ""
+        """sha256 of every weight that never travels, names and bytes: the base model's, and the
+        LoRA A factors frozen under FFA-LoRA. The adapter updates only mean the same thing on the
+        server and on every client when these are bit-identical there: the preflight compares
+        this fingerprint."""
         digest = hashlib.sha256()
-        for param in frozen:
-            digest.update(param.detach().to("cpu", torch.float32).numpy().tobytes())
+        for role, model in self.models.items():
+            for name, param in model.named_parameters():
+                if not param.requires_grad:
+                    digest.update(f"{role}/{name}".encode())
+                    digest.update(param.detach().to("cpu").reshape(-1).view(torch.uint8).numpy())
         return digest.hexdigest()
 
     def save(self, directory: Path) -> None:

@@ -125,12 +125,12 @@ class PreflightConfig:
     against your own data (model, data, reward function, batch sizes, SecAgg+ bounds) now."""
 
     secagg: SecAggBounds | None = None
-    # The server's ``AdapterSet.frozen_fingerprint`` (model.lora_freeze_a): the frozen LoRA A
-    # factors never travel, so a client must hold the same ones. "" when none is frozen.
-    frozen_adapter: str = ""
+    # The server's ``AdapterSet.frozen_fingerprint``: the base model and any frozen LoRA A factors
+    # never travel, so a client must hold the same ones. "" when the server sends none to compare.
+    frozen_weights: str = ""
 
     def to_config(self) -> dict[str, bool | int | float | str]:
-        frozen = {"frozen_adapter": self.frozen_adapter} if self.frozen_adapter else {}
+        frozen = {"frozen_weights": self.frozen_weights} if self.frozen_weights else {}
         if self.secagg is None:
             return {"secure": False, **frozen}
         return {"secure": True, "secagg_clipping_range": self.secagg.clipping_range,
@@ -138,11 +138,11 @@ class PreflightConfig:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PreflightConfig:
-        frozen = _read(config, "frozen_adapter", str, "")
+        frozen = _read(config, "frozen_weights", str, "")
         if not _read(config, "secure", bool):
-            return cls(frozen_adapter=frozen)
+            return cls(frozen_weights=frozen)
         return cls(SecAggBounds(_read(config, "secagg_clipping_range", float), _read(config, "secagg_max_weight", float)),
-                   frozen_adapter=frozen)
+                   frozen_weights=frozen)
 
 
 @dataclass(frozen=True)

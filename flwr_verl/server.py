@@ -62,7 +62,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         federation, adapters.get_arrays(), local_iterations=engine.trainer.local_iterations,
         secure_aggregation=SecAggBounds(secagg.clipping_range, secagg.max_weight) if secagg else None,
         client_level=client_level,
-        frozen_adapter=adapters.frozen_fingerprint, mask_seed=engine.trainer.seed,
+        frozen_weights=adapters.frozen_fingerprint, mask_seed=engine.trainer.seed,
     )
     if federation.resume and (state := run.last_checkpoint()):
         strategy.load_state_dict(state)

@@ -230,9 +230,9 @@ class FedProxAdapters(Strategy):
             SecAgg+'s reconstruction threshold, decodes the secure sum of their noisy integers
             (the only aggregate it ever holds), and accounts the round's client-level epsilon at
             the sampling rate sampled / eligible clients; None: off.
-        frozen_adapter: the fingerprint of the LoRA A factors frozen under ``model.lora_freeze_a``
-            (``AdapterSet.frozen_fingerprint``), which the preflight asks every client to match;
-            "" when none is frozen.
+        frozen_weights: the fingerprint of the weights that never travel (the base model, and the
+            LoRA A factors frozen under ``model.lora_freeze_a``: ``AdapterSet.frozen_fingerprint``),
+            which the preflight asks every client to match; "": not checked.
         mask_seed: the run's ``trainer.seed``. Under ``compression.density < 1`` each round's
             coordinate mask is drawn from ``round_seed(mask_seed, round)``, which the server
             sends every client (``protocol.SparseRound``) and uses to scatter the mean back.
@@ -240,7 +240,7 @@ class FedProxAdapters(Strategy):
 
     def __init__(self, config: FederationConfig, initial_arrays: NDArrays, *, local_iterations: int,
                  secure_aggregation: SecAggBounds | None = None,
-                 client_level: ClientLevelConfig | None = None, frozen_adapter: str = "",
+                 client_level: ClientLevelConfig | None = None, frozen_weights: str = "",
                  mask_seed: int = 0) -> None:
         super().__init__()
         if client_level is not None and secure_aggregation is None:
@@ -252,7 +252,7 @@ class FedProxAdapters(Strategy):
         self._round_plan: tuple[SkellamPlan, float] | None = None  # this round's plan and sampling rate
         self.local_iterations = local_iterations
         self.secure_aggregation = secure_aggregation
-        self.frozen_adapter = frozen_adapter
+        self.frozen_weights = frozen_weights
         self.mask_seed = mask_seed
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
                         for a in initial_arrays]
@@ -493,7 +493,7 @@ class FedProxAdapters(Strategy):
         return [(proxy, ins) for proxy in client_manager.all().values()]
 
     def _preflight_config(self) -> PreflightConfig:
-        return PreflightConfig(self.secure_aggregation, self.frozen_adapter)
+        return PreflightConfig(self.secure_aggregation, self.frozen_weights)
 
     def evaluation_can_carry_preflight(self) -> bool:
         """Whether the initial evaluation reaches every connected client (``fraction-evaluate=1``),

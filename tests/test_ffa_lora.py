@@ -41,7 +41,7 @@ def one_round(tiny_config, freeze_a: bool) -> SimpleNamespace:
     a_before = {name: p.detach().clone() for name, p in lora_a_factors(models.policy)}
     federation = FederationConfig(min_fit_clients=2, min_evaluate_clients=2, min_available_clients=2,
                                   proximal_mu=0.0, secagg=SecAggConfig(enabled=False))
-    strategy = FedProxAdapters(federation, initial, local_iterations=2, frozen_adapter=adapters.frozen_fingerprint)
+    strategy = FedProxAdapters(federation, initial, local_iterations=2, frozen_weights=adapters.frozen_fingerprint)
     results, _ = fit_round(strategy, InProcessClients(clients), server_round=1)
     updates = [(parameters_to_ndarrays(res.parameters), res.num_examples) for _, res in results]
     return SimpleNamespace(config=config, models=models, adapters=adapters, clients=clients, initial=initial,
@@ -90,14 +90,31 @@ def test_aggregate_delta_w_is_the_mean_of_the_clients_delta_w(ffa, standard):
 
 def test_preflight_refuses_a_client_with_other_frozen_factors(ffa):
     client = ffa.clients["0"]
-    assert client.get_properties(PreflightConfig(frozen_adapter=ffa.adapters.frozen_fingerprint).to_config())
-    other = PreflightConfig(frozen_adapter="0" * 64).to_config()
-    with pytest.raises(ConfigError, match="model.lora_freeze_a=True: this client's frozen LoRA A factors"):
+    assert client.get_properties(PreflightConfig(frozen_weights=ffa.adapters.frozen_fingerprint).to_config())
+    other = PreflightConfig(frozen_weights="0" * 64).to_config()
+    with pytest.raises(ConfigError, match=r"model.path=\(embedded\): this client's base model and its frozen LoRA A "
+                                          r"factors \(model.lora_freeze_a\) \(sha256 [0-9a-f]{16}\) differ from the "
+                                          r"server's \(0000000000000000\)"):
         client.get_properties(other)
-    with pytest.raises(ConfigError, match="model.lora_freeze_a"):
-        client.get_properties(PreflightConfig().to_config())  # a server that freezes nothing
 
 
-def test_standard_lora_has_no_frozen_fingerprint(standard):
-    assert standard.adapters.frozen_fingerprint == ""
-    assert standard.clients["0"].get_properties(PreflightConfig().to_config())
+def test_the_fingerprint_covers_the_base_model_and_the_frozen_factors(ffa, standard):
+    """Standard LoRA freezes the base only; FFA-LoRA also its A factors. A client whose base
+    differs in one weight is refused (its updates would mean something else there)."""
+    assert standard.adapters.frozen_fingerprint != ffa.adapters.frozen_fingerprint
+    rebuilt = build_models(standard.config.model, with_critic=False, seed=standard.config.trainer.seed)
+    server = rebuilt.adapters.frozen_fingerprint
+    client = standard.clients["0"]
+    assert server == standard.adapters.frozen_fingerprint
+    assert client.get_properties(PreflightConfig(frozen_weights=server).to_config())
+    assert client.get_properties(PreflightConfig().to_config())  # a server that sends none: nothing to compare
+    base = standard.models.policy.get_base_model().model.embed_tokens.weight
+    saved = base.detach().clone()
+    with torch.no_grad():
+        base[0, 0] += 1e-3
+    try:
+        with pytest.raises(ConfigError, match=r"this client's base model \(sha256"):
+            client.get_properties(PreflightConfig(frozen_weights=server).to_config())
+    finally:
+        with torch.no_grad():
+            base.copy_(saved)

@@ -47,7 +47,7 @@ def test_fit_config_round_trips_through_flowers_config(config):
 
 @pytest.mark.parametrize("config", [
     EvaluateConfig(server_round=0),
-    EvaluateConfig(server_round=0, preflight=PreflightConfig(SecAggBounds(1.0, 4096.0), frozen_adapter="ab" * 32)),
+    EvaluateConfig(server_round=0, preflight=PreflightConfig(SecAggBounds(1.0, 4096.0), frozen_weights="ab" * 32)),
     EvaluateConfig(server_round=3, preflight=PreflightConfig()),
 ], ids=["plain", "carries-a-secure-preflight", "carries-a-plain-preflight"])
 def test_evaluate_config_round_trips_through_flowers_config(config):
