@@ -461,7 +461,7 @@ def client_from_context(context: Context, config: EngineConfig) -> VerlClient:
     return VerlClient(
         config,
         cached_rows(config, "train", partition_id, num_partitions),
-        cached_rows(config, "val", partition_id, num_partitions),
+        cached_rows(config, config.data.eval_split, partition_id, num_partitions),
         partition_id=partition_id, client_id=context.node_config.get(NODE_CLIENT_ID),
         ledger=node_ledger(context) if config.privacy.enabled or config.privacy.client_level.enabled else None,
         run_id=str(context.run_id), reward_model_key=reward_model_key, budget=budget,

@@ -109,6 +109,9 @@ class DataConfig:
     partition_by: str = "data_source"  # the row field whose values the dirichlet split skews
     format_instruction: str = ""  # appended to every generated prompt: how to state the answer (task generators)
     task_params: str = ""  # reasoning_gym:<name> only: a JSON object of the task's config fields (its difficulty)
+    # The held-out split clients evaluate on: "val" reports; "tune" (task generators: as large as val, disjoint
+    # from train and val) is for choosing hyperparameters without looking at val.
+    eval_split: str = "val"
 
     def __post_init__(self) -> None:
         require(
@@ -126,6 +129,9 @@ class DataConfig:
                 "their own prompts; leave it empty")
         require(not self.task_params or (self.task.startswith("reasoning_gym:") and not self.train_files),
                 "data.task_params", self.task_params, "applies to data.task='reasoning_gym:<name>' only; leave it empty")
+        require(self.eval_split in ("val", "tune"), "data.eval_split", self.eval_split, "allowed: val, tune")
+        require(self.eval_split == "val" or not self.train_files, "data.eval_split", self.eval_split,
+                "'tune' needs a task generator (data.task); parquet data has train and val files only")
         require(isinstance(self.task_parameters(), dict), "data.task_params", self.task_params,
                 'must be a JSON object of the task\'s config fields, e.g. \'{"max_digits": 1}\'')
 

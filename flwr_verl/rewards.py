@@ -42,23 +42,32 @@ class RewardError(FlwrVerlError, RuntimeError):
     """A reward function failed or returned something that is not a finite number."""
 
 
-def final_number_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the last number in the response equals ``ground_truth`` (as numbers), else 0.0.
+SENTENCE_CREDIT = 0.5  # final_number_score of a right answer stated in a sentence
 
-    The answer is read as GSM8K graders read it, with verl's "flexible" extraction
-    (``gsm8k.extract_solution``), minus the sentence's closing period and thousands separators
-    that verl's pattern keeps ("is 1,043." -> "1043"). For instruction-tuned models that state
-    the answer in a sentence ("The answer to this problem is 43.") where the task's own scorer
-    wants the bare number. Use it with ``custom_reward_function.path="pkg://flwr_verl.rewards"``
-    and ``custom_reward_function.name="final_number_score"``."""
+
+def final_number_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """For prompts that ask for the bare number: 1.0 when the reply is the answer alone,
+    ``SENTENCE_CREDIT`` when the reply says more but its last number is the answer ("The answer
+    to this problem is 43."), else 0.0. Accuracy (the share of 1.0) is then the strict format's,
+    and the partial credit still rewards a right answer in any format.
+
+    The last number is read as GSM8K graders read it, with verl's "flexible" extraction
+    (``gsm8k.extract_solution``), minus the closing period and thousands separators that verl's
+    pattern keeps ("is 1,043." -> "1043"), and compared as a number. Use it with
+    ``custom_reward_function.path="pkg://flwr_verl.rewards"`` and
+    ``custom_reward_function.name="final_number_score"``."""
     answer = extract_solution(solution_str, method="flexible")
-    if answer is None:
+    if answer is None or not _same_number(answer.replace(",", "").rstrip("."), str(ground_truth)):
         return 0.0
-    answer, expected = answer.replace(",", "").rstrip("."), str(ground_truth).replace(",", "").strip()
+    return 1.0 if _same_number(solution_str.strip().replace(",", ""), str(ground_truth)) else SENTENCE_CREDIT
+
+
+def _same_number(text: str, expected: str) -> bool:
+    expected = expected.replace(",", "").strip()
     try:
-        return float(float(answer) == float(expected))
-    except ValueError:  # "1.2.3", or a ground truth that is no number
-        return float(answer == expected)
+        return float(text) == float(expected)
+    except ValueError:  # not a number ("1.2.3", a sentence), or a ground truth that is none
+        return text == expected
 
 
 def load_function(path: str, name: str) -> ComputeScore:

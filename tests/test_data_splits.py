@@ -132,6 +132,28 @@ def test_fewer_rows_than_partitions_names_file_rows_and_partitions(write_parquet
         load_rows(DataConfig(train_files=path), "train", seed=0, partition_id=0, num_partitions=3)
 
 
+def test_clients_evaluate_on_the_tune_split_only_when_asked(tiny_config):
+    """``data.eval_split="tune"`` (choosing settings) evaluates on tune rows, never on val ones;
+    parquet data has no tune split, which the config refuses."""
+    from flwr.app import Context, RecordDict
+
+    from flwr_verl.client import client_from_context
+    from flwr_verl.config import ConfigError
+
+    def evaluated(eval_split: str) -> set[str]:
+        node = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1},
+                       state=RecordDict(), run_config={})
+        return prompts(client_from_context(node, tiny_config(data={"eval_split": eval_split})).val_rows)
+
+    config = tiny_config().data
+    assert evaluated("val") == prompts(load_rows(config, "val", seed=0))
+    assert evaluated("tune") == prompts(load_rows(config, "tune", seed=0)) and not evaluated("tune") & evaluated("val")
+    with pytest.raises(ConfigError, match=r"data\.eval_split='tune' is invalid: 'tune' needs a task generator"):
+        DataConfig(train_files="train.parquet", eval_split="tune")
+    with pytest.raises(ConfigError, match=r"data\.eval_split='test' is invalid: allowed: val, tune"):
+        DataConfig(eval_split="test")
+
+
 # ----------------------------------------------------------------------------- the embedded build
 def test_warm_start_sees_only_train_split_problems():
     recipe = {**embedded.RECIPE, "warm_start_steps": 40}

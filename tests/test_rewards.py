@@ -67,10 +67,11 @@ def test_missing_file_function_or_broken_file_is_a_reward_error(reward_file, tmp
 
 
 @pytest.mark.parametrize("response, truth, score", [
-    ("The answer to this arithmetic problem is 43.", "43", 1.0),  # verl's pattern keeps the period
-    ("43", "43", 1.0), ("-7", "-7", 1.0), ("It is 1,043.", "1043", 1.0), ("3.0", "3", 1.0),
+    ("43", "43", 1.0), (" -7\n", "-7", 1.0), ("1,043", "1043", 1.0), ("3.0", "3", 1.0), ("43.", "43", 1.0),
+    ("The answer to this arithmetic problem is 43.", "43", 0.5),  # verl's pattern keeps the period
+    ("It is 1,043.", "1043", 0.5),
     ("12 + 31 = 44.", "43", 0.0),  # the last number counts, not any number
-    ("43 or 44", "43", 0.0), ("no number", "43", 0.0), ("...", "1", 0.0), ("", "0", 0.0),
+    ("43 or 44", "43", 0.0), ("44", "43", 0.0), ("no number", "43", 0.0), ("...", "1", 0.0), ("", "0", 0.0),
 ])
 def test_final_number_score_reads_the_last_number_of_the_reply(response, truth, score):
     assert final_number_score("any", response, truth) == score
@@ -80,7 +81,7 @@ def test_a_built_in_scorer_is_chosen_by_import_path_as_verl_takes_it():
     reward = RewardConfig(path="pkg://flwr_verl.rewards", name="final_number_score")
     score = resolve_compute_score(reward, DataConfig())
     assert score.__wrapped__ is final_number_score
-    assert score("any", "The answer is 5.", "5") == 1.0
+    assert score("any", "The answer is 5.", "5") == 0.5
     with pytest.raises(ConfigError, match=r"custom_reward_function\.path='pkg://flwr_verl\.no_such_module' is "
                                           r"invalid: must be an existing \.py file or pkg://<an importable module>"):
         RewardConfig(path="pkg://flwr_verl.no_such_module")
