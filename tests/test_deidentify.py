@@ -154,15 +154,15 @@ def test_node_corpus_file_overrides_the_run_config(tmp_path, tiny_config):
 
 def test_memorised_secrets_are_never_reproduced_with_the_filter(models, tiny_config):
     """A deliberately memorising setup (the adapter fitted for 200 epochs on two secrets, no DP;
-    greedy decoding wrote both from about 125 on): unfiltered, greedy and sampled decoding
-    reproduce the secrets; filtered, never."""
+    greedy decoding wrote both from about 75 on, at Adam's lr 3e-3: at 1e-2 the loss diverged on
+    this model): unfiltered, greedy and sampled decoding reproduce the secrets; filtered, never."""
     tokenizer, policy = models.tokenizer, models.policy
     secrets = {"1=": "4821-9930", "2=": "1357-2468"}
     texts = [tokenizer.bos_token + prompt + secret + tokenizer.eos_token for prompt, secret in secrets.items()]
     batch = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
     saved = models.adapters.get_arrays()
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=1e-2)
+    optimizer = torch.optim.Adam(params, lr=3e-3)
     torch.manual_seed(0)
     try:
         policy.train()
