@@ -58,3 +58,11 @@ def reward_model_dirs(tmp_path_factory):
         "same": save_classifier(root / "same", build_tokenizer(), arch="llama"),
         "other": save_classifier(root / "other", other_tokenizer(), arch="gpt2", seed=1),
     }
+
+
+def pytest_collection_modifyitems(items):
+    """Files with tests that start real Flower processes run first (each keeps its own order): with
+    ``-n 2 --dist loadfile`` each worker then begins on one of those long files and the many short
+    ones fill in at the end, instead of a long file starting last and running alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
