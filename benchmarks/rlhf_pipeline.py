@@ -21,7 +21,8 @@ prompts are drawn separately (different prompt sets, so separate ledger entries)
 spends its own ``--epsilon``.
 
 Why the reward model learns slowly (diagnosed on the tune split, 240 problems, 1,158 pairs, no
-DP, one process, AdamW on LoRA r 8 all-linear + the score head, 64 prompts a step):
+DP, one process, AdamW on LoRA r 8 all-linear + the score head, 64 prompts a step; on the
+embedded model of recipe version 2, before its build was made portable):
 
 - the base has the knowledge: the embedded LM's own log-likelihood of the answer, used as a
   zero-shot score, ranks 0.79 of the pairs right (0.81 with the closing EOS); a base warm-started
