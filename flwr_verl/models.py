@@ -125,14 +125,6 @@ def freeze_lora_a(model: PeftModel) -> None:
                     _register_frozen_peft_weight(module, adapter, factor)
 
 
-def lora_a_factors(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The A factor of every LoRA layer (PEFT's ``lora_A`` / ``lora_embedding_A``), in
-    ``named_parameters()`` order. Under ``model.lora_freeze_a`` (FFA-LoRA) these stay frozen at
-    their seeded initialisation, so they are no part of the adapter that travels."""
-    return [(name, param) for name, param in model.named_parameters()
-            if ".lora_A." in name or ".lora_embedding_A." in name]
-
-
 def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The effective weight update of every LoRA layer, Delta W = (alpha / r) * B @ A (PEFT's
     own ``get_delta_weight``, float32 for float32 weights), keyed by module name. What merging

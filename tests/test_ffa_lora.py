@@ -20,7 +20,7 @@ from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
 from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.models import build_models, lora_a_factors
+from flwr_verl.models import build_models
 from flwr_verl.protocol import PreflightConfig
 from flwr_verl.strategy import FedProxAdapters
 
@@ -28,6 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import lora_aggregation  # noqa: E402  (the benchmark's measure is the one tested)
 
 DP = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True}
+
+
+def lora_a_factors(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The A factor of every LoRA layer (PEFT's ``lora_A`` / ``lora_embedding_A``)."""
+    return [(name, param) for name, param in model.named_parameters()
+            if ".lora_A." in name or ".lora_embedding_A." in name]
 
 
 def one_round(tiny_config, freeze_a: bool) -> SimpleNamespace:
