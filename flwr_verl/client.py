@@ -277,10 +277,11 @@ class VerlClient(NumPyClient):
                               f"{self.config.privacy.num_examples!r}), and SecAgg+ would overflow a larger weight; "
                               "raise secagg.max-weight to at least every client's weight")
         if instructions.frozen_weights and instructions.frozen_weights != (own := self.adapters.frozen_fingerprint):
-            frozen_a = " and its frozen LoRA A factors (model.lora_freeze_a)" if self.config.model.lora_freeze_a else ""
+            weights, verb = (("base model and its frozen LoRA A factors (model.lora_freeze_a)", "differ")
+                             if self.config.model.lora_freeze_a else ("base model", "differs"))
             raise ConfigError(
-                f"model.path={self.config.model.path or '(embedded)'}: this client's base model{frozen_a} (sha256 "
-                f"{own[:16]}) differ from the server's ({instructions.frozen_weights[:16]}). They never travel, so "
+                f"model.path={self.config.model.path or '(embedded)'}: this client's {weights} (sha256 {own[:16]}) "
+                f"{verb} from the server's ({instructions.frozen_weights[:16]}). These weights never travel, so "
                 "every node must load the same weights: the same model files, model.dtype, trainer.seed and "
                 "library versions (torch, transformers, peft)")
 
