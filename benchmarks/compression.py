@@ -80,7 +80,7 @@ def run(args, density: float, seed: int, eval_rows: list[dict]) -> dict:
             "round": server_round, "eval_reward": evaluator.evaluate(eval_rows).reward,
             "coordinates_up_per_client": max(sum(a.size for a in arrays) for arrays in sent),
             "bytes_sent_per_client": max(r.bytes_sent for r in reports),
-            "epsilon": max(r.privacy.epsilon_total for r in reports if r.privacy),
+            "epsilon": max(r.privacy.epsilon_run for r in reports if r.privacy),
         })
     return {"density": density, "seed": seed, "coordinates_total": total_coordinates,
             "rounds": rounds, "seconds": time.perf_counter() - start}

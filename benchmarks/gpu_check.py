@@ -77,7 +77,7 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
         "device": device, "dtype": dtype, "privacy": privacy, "failures": failures,
         "round_seconds": round_seconds, "fit_seconds": training.time_fit,
         "phases": {k: getattr(training, k) for k in ("time_rollout", "time_reward", "time_log_prob", "time_update")},
-        "reward_after": round_metrics.get("reward_after"), "epsilon_total": round_metrics.get("epsilon_total"),
+        "reward_after": round_metrics.get("reward_after"), "epsilon_run": round_metrics.get("epsilon_run"),
         "eval_accuracy": evaluation.get("accuracy"),
         "peak_device_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
     }

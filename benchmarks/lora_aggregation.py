@@ -94,7 +94,7 @@ def run(args, freeze_a: bool, seed: int, eval_rows: list[dict]) -> dict:
         rounds.append({
             "round": server_round, **error, "eval_reward": evaluator.evaluate(eval_rows).reward,
             "parameters_up_per_client": sum(u.size for u in updates[0][0]),
-            "bytes_up_per_client": reports[0].bytes_sent, "epsilon": max(r.privacy.epsilon_total for r in reports),
+            "bytes_up_per_client": reports[0].bytes_sent, "epsilon": max(r.privacy.epsilon_run for r in reports),
         })
     return {"freeze_a": freeze_a, "seed": seed, "rounds": rounds, "seconds": time.perf_counter() - start}
 

@@ -107,7 +107,7 @@ def summarize(records: list[dict]) -> list[dict]:
         fit = record.get("fit") or {}
         rows.append({"round": record["round"], "accuracy": evaluation.get("accuracy"),
                      "reward": evaluation.get("reward"), "round_seconds": record.get("seconds"),
-                     "evaluate_seconds": evaluation.get("seconds"), "epsilon": fit.get("epsilon_total"),
+                     "evaluate_seconds": evaluation.get("seconds"), "epsilon": fit.get("epsilon_run"),
                      "update_max_abs": record.get("update_max_abs")})
     return rows
 

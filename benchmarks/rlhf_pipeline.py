@@ -104,7 +104,7 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
         results, _ = fit_round(strategy, InProcessClients(clients), server_round, secure=True)
         models.adapters.set_arrays(strategy.global_arrays)
         reports = [FitReport.from_metrics(res.metrics).privacy for _, res in results]
-        privacy.append({"epsilon": max(r.epsilon_total for r in reports) if args.epsilon else math.inf,
+        privacy.append({"epsilon": max(r.epsilon_run for r in reports) if args.epsilon else math.inf,
                         "noise_multiplier": reports[0].noise_multiplier if args.epsilon else 0.0})
         curve.append(evaluate())
         print(f"    round {server_round}: {curve[-1]}, epsilon {privacy[-1]['epsilon']:.2f}", flush=True)

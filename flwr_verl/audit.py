@@ -381,11 +381,10 @@ def train_planted(engine: EngineConfig, federation: FederationConfig, planted: l
     as over Flower's wire (``inprocess.InProcessClients``), every client in every round, SecAgg+
     off (it hides individual updates from the server, not what the released model learned).
     ``plant(trainer)``, when given, is called on the planted client's ``LocalPPOTrainer``
-    (``plant_gradient_canaries``). Returns the final global adapter arrays and the epsilon the planted client reported
-    (infinity without DP)."""
+    (``plant_gradient_canaries``). Returns the final global adapter arrays and the epsilon the planted
+    client's own ledger holds (infinity without DP)."""
     from flwr_verl.client import VerlClient, cached_models
     from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.protocol import FitReport
     from flwr_verl.strategy import FedProxAdapters
 
     require(0 <= planted_client < num_clients, "audit.canary_client", planted_client,
@@ -405,14 +404,12 @@ def train_planted(engine: EngineConfig, federation: FederationConfig, planted: l
     strategy = FedProxAdapters(federation, models.adapters.get_arrays(),
                                local_iterations=engine.trainer.local_iterations)
     manager = InProcessClients(clients)
-    claimed = math.inf
     for server_round in range(1, federation.num_server_rounds + 1):
-        results, _ = fit_round(strategy, manager, server_round)
-        for proxy, res in results:
-            report = FitReport.from_metrics(res.metrics)
-            if proxy.cid == str(planted_client) and report.privacy is not None:
-                claimed = report.privacy.epsilon_total
+        fit_round(strategy, manager, server_round)
         log(f"round {server_round}/{federation.num_server_rounds} done")
+    planted, privacy = clients[str(planted_client)], engine.privacy
+    claimed = (planted.ledger.account(planted.data_set, privacy.accountant).epsilon(privacy.delta)
+               if privacy.enabled else math.inf)
     return strategy.global_arrays, claimed
 
 

@@ -24,9 +24,9 @@ What a client refuses to send, and says why (each a ``FlwrVerlError`` that the C
 A round that would spend more than the client's epsilon budget is refused, not failed: a zero
 update with weight 0 and status ``STATUS_BUDGET``; under SecAgg+ the client leaves the round
 instead (``PrivacyBudgetExhausted``), so that every participant the server unmasks is a real
-contributor. After every fit the client also reports
-``epsilon_next`` (what one more round would bring it to), so the strategy stops
-sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
+contributor. After every fit the client also reports whether one more round would still fit its
+budget (``protocol.PrivacyReport``: never the budget itself, nor its ledger), so the strategy
+stops sampling it before it has to refuse. The budget is ``privacy.epsilon_budget`` from the run
 config, or the node's own ``epsilon-budget`` from its node config when that is stricter: the
 data owner can always spend less of its data's privacy than the federation's config allows.
 
@@ -70,11 +70,13 @@ import dataclasses
 import functools
 import math
 import time
+from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import Context
 from flwr.client import NumPyClient
+from flwr.common import log
 
 from flwr_verl.compression import ErrorFeedback, StateErrorFeedback, coordinate_mask, with_error_feedback
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
@@ -110,6 +112,7 @@ from flwr_verl.protocol import (
     FitReport,
     NoisedTrainingMetrics,
     PreflightConfig,
+    PreflightReport,
     PrivacyReport,
     TrainingSummary,
 )
@@ -266,7 +269,7 @@ class VerlClient(NumPyClient):
         model and data and scored one response; here the batch sizes and SecAgg+ bounds are
         checked against its own data. Any problem raises, and reaches the server as one line."""
         self._preflight(PreflightConfig.from_config(config))
-        return {"status": STATUS_OK}
+        return {"status": STATUS_OK, **PreflightReport(self.client_id).to_metrics()}
 
     def _preflight(self, instructions: PreflightConfig) -> None:
         sample_rate(self.config.data.train_batch_size, len(self.train_rows))
@@ -307,12 +310,13 @@ class VerlClient(NumPyClient):
         ) if mechanism else None
         if spend and spend.refused:
             refusal = dataclasses.replace(report, status=STATUS_BUDGET,
-                                          privacy=self._privacy_report(spend.before, spend.before, mechanism,
-                                                                       iterations))
+                                          privacy=self._privacy_report(spend.before, mechanism, iterations))
+            log(INFO, "privacy budget: this round would bring %s to epsilon %.3g > budget %g; refused",
+                self.data_set.description, spend.before.after(mechanism, iterations).epsilon(self.config.privacy.delta),
+                budget)
             if instructions.secagg:
-                raise PrivacyBudgetExhausted(
-                    f"one more round would spend epsilon {refusal.privacy.epsilon_next:.3g} > budget {budget:g}; "
-                    "leaving the SecAgg+ round")
+                raise PrivacyBudgetExhausted("one more round would pass this node's epsilon budget; "
+                                             "leaving the SecAgg+ round")
             # In the clear: a zero update with zero weight, which every aggregation ignores.
             return [np.zeros_like(p) for p in parameters], 0, refusal.to_metrics()
 
@@ -352,7 +356,7 @@ class VerlClient(NumPyClient):
             self.error_feedback.residual = residual
         report = dataclasses.replace(
             report, bytes_sent=_nbytes(update), iterations=result.iterations,
-            privacy=self._privacy_report(spend.before, spend.after, mechanism, iterations) if spend else None,
+            privacy=self._privacy_report(spend.after, mechanism, iterations) if spend else None,
             training=(summarize_training(result.metrics, time.perf_counter() - start)
                       if self.config.privacy.sent_metrics == "clear" else None),
             training_dp=(self._noised_metrics(result.metrics, instructions)
@@ -364,13 +368,15 @@ class VerlClient(NumPyClient):
         """Held-out greedy evaluation (``protocol.EvaluateConfig``), after the preflight's checks
         when the message carries them."""
         instructions = EvaluateConfig.from_config(config)
+        preflight = {}
         if instructions.preflight is not None:
             self._preflight(instructions.preflight)
+            preflight = PreflightReport(self.client_id).to_metrics()
         self.adapters.set_arrays(parameters)
         result = self.trainer.evaluate(self.val_rows)
         if result is None:
-            return 0.0, 0, {}
-        return result.loss, len(self.val_rows), result.to_metrics()
+            return 0.0, 0, preflight
+        return result.loss, len(self.val_rows), {**result.to_metrics(), **preflight}
 
     def _client_level_plan(self, parameters: list[np.ndarray], instructions: FitConfig) -> SkellamPlan:
         """The round's ``distributed_dp.SkellamPlan``, known before training (the update has the
@@ -437,16 +443,21 @@ class VerlClient(NumPyClient):
         metrics_sigma = privacy.metrics_noise_multiplier if privacy.sent_metrics == "dp" else 0.0
         return IterationMechanism(sigma, q, self.config.actor.ppo_epochs, metrics_sigma)
 
-    def _privacy_report(self, before: PrivacyAccount, after: PrivacyAccount, mechanism: IterationMechanism,
+    def _privacy_report(self, spent: PrivacyAccount, mechanism: IterationMechanism,
                         iterations: int) -> PrivacyReport:
-        delta = self.config.privacy.delta
-        total = after.epsilon(delta)
-        return PrivacyReport(
-            account=after, epsilon_total=total, epsilon_round=total - before.epsilon(delta),
-            epsilon_next=after.after(mechanism, iterations).epsilon(delta),
-            epsilon_budget=self.config.privacy.epsilon_budget, noise_multiplier=mechanism.noise_multiplier,
-            delta=delta,
-        )
+        """What the server learns (``protocol.PrivacyReport``): whether one more round like this
+        one fits the budget, and, when the weight already tells it N, this run's epsilon. The
+        node's own log has the rest (``flwr-verl ledger show`` has every run)."""
+        privacy = self.config.privacy
+        budget = privacy.epsilon_budget
+        fits = not budget or spent.after(mechanism, iterations).epsilon(privacy.delta) <= budget
+        epsilon_run = None
+        if privacy.num_examples == "exact":
+            runs = [r for r in self.ledger.runs(self.data_set, privacy.accountant) if r.run_id == self.run_id]
+            epsilon_run = runs[0].account.epsilon(privacy.delta) if runs else 0.0
+        log(INFO, "privacy: %s at epsilon %.3g over every run%s", self.data_set.description,
+            spent.epsilon(privacy.delta), f" of budget {budget:g}" if budget else "")
+        return PrivacyReport(fits_next_round=fits, epsilon_run=epsilon_run)
 
 
 def client_from_context(context: Context, config: EngineConfig) -> VerlClient:

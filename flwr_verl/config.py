@@ -538,7 +538,8 @@ class EngineConfig:
 # a LoRA adapter, whose round updates are ~1e-2 per coordinate, so it is capped at the top of
 # Reddi et al. (2021)'s server learning rates (1e-3 to 1e-1).
 MAX_SERVER_LEARNING_RATES = {"sgd": 2.0, "momentum": 2.0, "adam": 0.1}
-AGGREGATIONS = ("mean", "fednova")
+AGGREGATIONS = ("mean", "fednova", "median", "trimmed_mean")
+ROBUST_AGGREGATIONS = ("median", "trimmed_mean")  # read each update: in the clear only
 
 
 @dataclass
@@ -590,8 +591,10 @@ class FederationConfig:
     # mean: the num_examples-weighted mean of the updates (FedAvg, FedProx). fednova: FedNova's
     # normalised averaging (Wang et al. 2020), so clients that ran more local iterations do not
     # dominate: each client divides its update by its iterations, the server scales the mean by
-    # the mean iteration count (strategy.FedProxAdapters).
+    # the mean iteration count (strategy.FedProxAdapters). median, trimmed_mean: robust to a few
+    # malicious updates (coordinate-wise, unweighted; Flower's aggregate_median/_trimmed_avg), in the clear only.
     aggregation: str = "mean"
+    trim_fraction: float = 0.2  # aggregation = "trimmed_mean": the share of updates cut at each end, per coordinate
     evaluate_every: int = 1
     save_every: int = 1
     # Deadlines, in seconds: every wait of the server has one, and a message naming who is missing.
@@ -624,6 +627,9 @@ class FederationConfig:
                 "allowed: sgd, momentum, adam")
         require(0 <= self.server_momentum < 1, "server-momentum", self.server_momentum, "must be in [0, 1)")
         require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"allowed: {', '.join(AGGREGATIONS)}")
+        require(0 <= self.trim_fraction < 0.5, "trim-fraction", self.trim_fraction, "must be in [0, 0.5)")
+        require(not (self.secagg.enabled and self.aggregation in ROBUST_AGGREGATIONS), "aggregation", self.aggregation,
+                "needs each client's update, which SecAgg+ hides: with secagg.enabled=true use mean or fednova")
         largest = MAX_SERVER_LEARNING_RATES[self.server_optimizer]
         require(self.server_learning_rate == 0 or 0 < self.server_learning_rate <= largest, "server-learning-rate",
                 self.server_learning_rate,

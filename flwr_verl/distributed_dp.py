@@ -296,6 +296,23 @@ def secure_integer_sum(aggregate: list[np.ndarray], num_survivors: int, plan: Sk
     return np.mod(total + num_survivors * half + half, plan.modulus) - half
 
 
+NORM_TAIL = 10.0  # standard deviations of slack in feasible_mean_norm: an honest round exceeds it w.p. < e**-50
+
+
+def feasible_mean_norm(plan: SkellamPlan, num_survivors: int) -> float:
+    """The largest L2 norm that ``decode_aggregate`` can return for ``num_survivors`` honest
+    clients, but with probability below e**-50. In grid units each client's rounded vector has
+    norm <= ``l2_sensitivity`` and adds Skellam noise of variance ``client_variance`` per
+    coordinate; the sum of n such noises has norm <= sqrt(n v) (sqrt(d) + t) with overwhelming
+    probability (a Lipschitz function of sub-Gaussian noise concentrates about its mean). The
+    rotation is orthonormal and truncation only shortens, so the mean's norm is at most
+    (n l2 + sqrt(n v) (sqrt(d) + t)) / (scale n). A larger one can only come from a client that
+    skipped its own clipping or wrapped its integers."""
+    n, dim = num_survivors, plan.padded_dim
+    grid = n * plan.l2_sensitivity + math.sqrt(n * plan.client_variance) * (math.sqrt(dim) + NORM_TAIL)
+    return grid / (plan.scale * n)
+
+
 def decode_aggregate(aggregate: list[np.ndarray], num_survivors: int, plan: SkellamPlan, server_round: int,
                      shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     """The mean noisy update over the survivors, in the adapter's shapes (float64)."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 from flwr_verl.config import FlwrVerlError
-from flwr_verl.privacy import PrivacyAccount
 
 STATUS_OK = "ok"
 STATUS_BUDGET = "privacy_budget_exhausted"  # the client refused the round: it would pass its epsilon budget
@@ -146,6 +145,23 @@ class PreflightConfig:
 
 
 @dataclass(frozen=True)
+class PreflightReport:
+    """A client's answer to the preflight: the name it gives itself (node config ``client-id``).
+    The name only labels the node in logs and errors; Flower's node id, which SuperNode
+    authentication binds to the node's key, identifies it. The server refuses a run in which two
+    nodes claim one name, before round 1 (``FedProxAdapters.check_preflight``)."""
+
+    client_id: str
+
+    def to_metrics(self) -> dict[str, str]:
+        return {"preflight.client_id": self.client_id}
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any]) -> PreflightReport:
+        return cls(_read(metrics, "preflight.client_id", str))
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     """Evaluate the global adapter on your held-out prompts. With ``preflight``, first run the
     preflight's checks: the first evaluation of a fresh run that reaches every connected client
@@ -198,25 +214,31 @@ class NoisedTrainingMetrics:
 
 @dataclass(frozen=True)
 class PrivacyReport:
-    """What a fit spent, and what one more round would bring the client to."""
+    """All that a client tells the server of its privacy state after a fit.
 
-    account: PrivacyAccount
-    epsilon_total: float  # at privacy.delta, after this fit
-    epsilon_round: float  # spent by this fit
-    epsilon_next: float  # after one more round like this one
-    epsilon_budget: float  # 0: none
-    noise_multiplier: float
-    delta: float
+    The server needs one answer: can this node train one more round like this one within its
+    epsilon budget. The budget, the ledger's history (whose sample rates give the data size, and
+    whose step counts cover the node's other runs) and the total over every run stay on the node.
+    ``epsilon_run`` (this run's spends on this data set at ``privacy.delta``) is sent only when
+    the node's weight is its exact prompt count (``privacy.num_examples = "exact"``): then the
+    server can compute it from what it already holds (N, the run config, the iterations run), so
+    it reveals nothing new; otherwise it is None.
+    """
 
-    def to_json_dict(self) -> dict[str, float | str]:
-        """Scalars only (the account as its JSON text): what Flower's metrics and JSON can hold."""
-        return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "account"},
-                "account": self.account.to_json()}
+    fits_next_round: bool
+    epsilon_run: float | None = None
+
+    def to_json_dict(self) -> dict[str, bool | float]:
+        """Scalars only: what Flower's metrics and JSON can hold."""
+        return {"fits_next_round": self.fits_next_round,
+                **({} if self.epsilon_run is None else {"epsilon_run": self.epsilon_run})}
 
     @classmethod
     def from_json_dict(cls, values: dict[str, Any]) -> PrivacyReport:
-        return cls(account=PrivacyAccount.from_json(_read(values, "account", str)),
-                   **_read_fields(cls, values, "", skip={"account"}))
+        epsilon = _read(values, "epsilon_run", float, None)
+        if epsilon is not None and not epsilon >= 0:
+            raise ProtocolError(f"message entry 'epsilon_run'={epsilon!r} must be a number >= 0")
+        return cls(_read(values, "fits_next_round", bool), epsilon)
 
 
 @dataclass(frozen=True)
@@ -254,7 +276,7 @@ class FitReport:
         if status not in STATUSES:
             raise ProtocolError(f"message entry 'status'={status!r} must be one of {', '.join(STATUSES)}")
         privacy = training = None
-        if "privacy.account" in metrics:
+        if "privacy.fits_next_round" in metrics:
             privacy = PrivacyReport.from_json_dict(
                 {k.removeprefix("privacy."): v for k, v in metrics.items() if k.startswith("privacy.")})
         if "training.reward_mean" in metrics:

@@ -214,7 +214,7 @@ class RunDirectory:
         if not records:
             return
         panels = [("reward", [("reward_after", "fit"), ("reward", "evaluate")]), ("kl", [("kl", "fit")]),
-                  ("epsilon", [("epsilon_total", "fit")])]
+                  ("epsilon in this run", [("epsilon_run", "fit")])]
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
         for axis, (title, series) in zip(axes, panels):
             for key, part in series:

@@ -107,15 +107,15 @@ def export_reward_model(run_path: Path, model: ModelConfig) -> Path:
 
 
 def summary(records: list[dict]) -> str:
-    """Where held-out accuracy started (round 0) and ended, and the epsilon spent."""
+    """Where held-out accuracy started (round 0) and ended, and the epsilon of the last run."""
     evaluated = [r for r in records if "accuracy" in r.get("evaluate", {})]
     parts = []
     if evaluated:
         first, last = evaluated[0], evaluated[-1]
         parts.append(f"held-out accuracy {first['evaluate']['accuracy']:.3f} at round {first['round']} -> "
                      f"{last['evaluate']['accuracy']:.3f} at round {last['round']}")
-    if spent := [r["fit"]["epsilon_total"] for r in records if "epsilon_total" in r.get("fit", {})]:
-        parts.append(f"epsilon {spent[-1]:.2f}")
+    if spent := [r["fit"]["epsilon_run"] for r in records if "epsilon_run" in r.get("fit", {})]:
+        parts.append(f"epsilon {spent[-1]:.2f} in the last run")
     if client_level := [r["fit"]["epsilon_client_level"] for r in records if "epsilon_client_level" in r.get("fit", {})]:
         parts.append(f"client-level epsilon {client_level[-1]:.2f}")
     return ", ".join(parts) or "no round was recorded"

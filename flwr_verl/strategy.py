@@ -17,11 +17,14 @@ What the server does each round:
    ``fednova_rescale``), so a client with more iterations does not dominate. With
    ``compression.density < 1`` every client sent the same round-seeded coordinates only
    (``compression.py``): the mean of those is scattered back, the rest get no update this round.
+   With SecAgg+ off, ``aggregation = "median"`` or ``"trimmed_mean"`` replaces the mean by a
+   robust coordinate-wise statistic (Flower's ``aggregate_median``, ``aggregate_trimmed_avg``).
 3. Aggregate the clients' reports: num_examples-weighted means of the training metrics (when
-   clients send them: ``privacy.metrics``); for epsilon the maximum over every client's latest
-   privacy report (every client ever seen), so the federation's epsilon never decreases. These
-   reports are a record of what nodes said, keyed by Flower's node id (never by the client's
-   self-reported ``client_id``, which another client could claim), and are never sent to anyone.
+   clients send them: ``privacy.metrics``); this run's epsilon, the maximum over every node's
+   latest report, when nodes send it (``protocol.PrivacyReport``). Every per-client record is
+   keyed by Flower's node id, which SuperNode authentication binds to the node's key, never by
+   the ``client_id`` a node gives itself (any node can claim one; two nodes claiming one are
+   refused by the preflight).
 4. ``configure_evaluate``/``aggregate_evaluate``: greedy reward on the clients' held-out prompts.
 
 Faults, and what the strategy does about them:
@@ -32,17 +35,23 @@ Faults, and what the strategy does about them:
 - A round in which nothing can be aggregated raises ``RoundFailed`` carrying the clients'
   messages: the run ends with that error, and the global adapter stays what it was after the
   last completed round (which the run directory holds).
-- A result with NaN or infinity (or, under SecAgg+, a non-finite aggregate) is rejected, never
-  applied to the global adapter.
+- In the clear, a result with NaN or infinity is rejected, never applied to the global adapter.
+- Under SecAgg+ the server cannot see one update, only what n of them sum to. Honest clients
+  check their update against the clipping range before masking, so the unmasked mean of honest
+  updates lies within it (and, under client-level DP, within a norm bound): an aggregate outside
+  fails the round with ``RoundFailed`` (``_check_feasible``) and the global adapter stays as it
+  was. A malicious update *inside* the range cannot be told apart: range proofs (RoFL, Lycklama
+  et al. 2023; ACORN, Bell et al. 2023) would bound each masked update, and are not in Flower.
+  A reported ``num_examples`` above ``secagg.max-weight`` is not counted.
 - A client that refused a round for its privacy budget, or that reports that one more round
-  would exceed it (``epsilon_next > epsilon_budget``), is not sampled again (its node id is
+  would exceed it (``PrivacyReport.fits_next_round``), is not sampled again (its node id is
   remembered in ``state_dict()``, so a resumed run does not sample it either). This only saves
   a round trip: the node's own ledger refuses the round anyway. When fewer than
   ``min-fit-clients`` clients can still train, ``configure_fit`` raises ``StopFederation`` and
   the server ends the run normally after the last completed round.
 
-State that outlives a round (global weights, server optimizer, privacy reports, exhausted
-clients, the last round's record) is ``state_dict()`` / ``load_state_dict()``, which the server
+State that outlives a round (global weights, server optimizer, client labels, exhausted
+nodes, the last round's record) is ``state_dict()`` / ``load_state_dict()``, which the server
 checkpoints (``checkpoint.py``) after every aggregated round.
 """
 
@@ -75,11 +84,11 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
-from flwr.server.strategy.aggregate import aggregate
+from flwr.server.strategy.aggregate import aggregate, aggregate_median, aggregate_trimmed_avg
 
 from flwr_verl.compression import coordinate_mask, round_seed, scatter
 from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig, FlwrVerlError
-from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
+from flwr_verl.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, feasible_mean_norm, plan_round
 from flwr_verl.privacy import DP_METRICS
 from flwr_verl.protocol import (
     STATUS_BUDGET,
@@ -89,18 +98,23 @@ from flwr_verl.protocol import (
     FitConfig,
     FitReport,
     PreflightConfig,
+    PreflightReport,
     PrivacyReport,
     ProtocolError,
     SecAggBounds,
     SparseRound,
     TrainingSummary,
 )
-from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS
+from flwr_verl.secagg import MAX_CLIENTS, MIN_CLIENTS, infeasible_coordinates
 
 Failures = list[tuple[ClientProxy, FitRes] | BaseException]
-# A client's one-line error reply, as ``mods.concise_errors`` writes it: "client <id>: <error>"
-# (or "partition <i>: <error>", the partition id being the default client id).
-CLIENT_ERROR = re.compile(r"^(?:client|partition) (?P<client_id>\S+): (?P<error>.*?)(?: \(Flower error code \d+\))?$")
+# An error reply, as ``wire.NodeNamedErrors`` names it, "node <node id>: <reason>", and its reason
+# as ``mods.concise_errors`` writes it, "client <id>: <error>" (or "partition <i>: <error>", the
+# partition id being the default client id). Only the node id identifies: the server wrote it.
+NODE_ERROR = re.compile(r"^node (?P<node_id>\d+): (?P<reason>.*)$", re.S)
+CLIENT_ERROR = re.compile(r"^(?:client|partition) (?P<client_id>\S+): (?P<error>.*?)(?: \(Flower error code \d+\))?$",
+                          re.S)
+BUDGET_REFUSAL = "PrivacyBudgetExhausted: "
 MAX_REASON = 400  # characters of one client's failure reason kept in logs and errors
 
 
@@ -147,6 +161,25 @@ def describe_failures(failures: Failures) -> list[str]:
     return out
 
 
+def budget_spent(round_number: int, refused: int, sampled: int, completed_round: int) -> str:
+    """Why the run stops when the sampled clients refused for their privacy budget: one message
+    whether they refused in the clear (status ``STATUS_BUDGET``) or by leaving SecAgg+."""
+    return (f"round {round_number}: {refused} of {sampled} sampled clients refused to train: their privacy budget "
+            f"is spent; stopping after round {completed_round}")
+
+
+def refused_nodes(messages: list[str]) -> dict[str, str]:
+    """The nodes (Flower node ids, as the ``ClientProxy.cid``) whose failure line is a refusal for
+    their privacy budget (``client.PrivacyBudgetExhausted``, under SecAgg+), each with its line."""
+    refused = {}
+    for message in messages:
+        node = NODE_ERROR.match(message)
+        error = CLIENT_ERROR.match(node["reason"]) if node else None
+        if error and error["error"].startswith(BUDGET_REFUSAL):
+            refused[node["node_id"]] = message
+    return refused
+
+
 class _Not(Criterion):
     def __init__(self, excluded: set[str]) -> None:
         self.excluded = excluded
@@ -181,14 +214,15 @@ def fednova_rescale(mean_update: NDArrays, reports: list[tuple[int, FitReport]])
     return [u * tau_eff for u in mean_update]
 
 
-def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, PrivacyReport]) -> dict[str, float]:
+def summarize_fit(reports: list[tuple[int, FitReport]], privacy: dict[str, PrivacyReport]) -> dict[str, float]:
     """A round's fit metrics: weighted means of the training summaries and of the local
     iterations run, byte sums, and epsilon.
 
-    ``epsilon_total`` is the maximum over the whole ``ledger`` (every client seen so far, not
-    only this round's): the federation is as private as its least private client, and that
-    figure never decreases. ``epsilon_round`` and ``epsilon_next`` are maxima over this round's
-    reports. An infinite epsilon (a fit run without noise) is reported as infinity, never dropped.
+    ``epsilon_run`` is the maximum of this run's epsilon over the latest ``privacy`` report of
+    every node seen in this run (not only this round's), when nodes send it
+    (``protocol.PrivacyReport``): the run is as private as its least private node, and the figure
+    never decreases. What each data set has spent over all runs stays on its node. An infinite
+    epsilon (a fit run without noise) is reported as infinity, never dropped.
     """
     out: dict[str, float] = {
         "bytes_received": float(sum(r.bytes_received for _, r in reports)),
@@ -204,14 +238,8 @@ def summarize_fit(reports: list[tuple[int, FitReport]], ledger: dict[str, Privac
     noised = [(n, r.training_dp) for n, r in reports if r.training_dp is not None]  # privacy.metrics = "dp"
     for name in DP_METRICS if noised else ():
         out[f"dp_{name}"] = weighted_mean([(n, getattr(t, name)) for n, t in noised])
-    private = [r.privacy for _, r in reports if r.privacy is not None]
-    if private:
-        out["epsilon_round"] = max(p.epsilon_round for p in private)
-        out["epsilon_next"] = max(p.epsilon_next for p in private)
-    if ledger:
-        out["epsilon_total"] = max(p.epsilon_total for p in ledger.values())
-        if budgets := [p.epsilon_budget for p in ledger.values() if p.epsilon_budget > 0]:
-            out["epsilon_budget"] = min(budgets)  # the strictest budget any client has reported
+    if epsilons := [p.epsilon_run for p in privacy.values() if p.epsilon_run is not None]:
+        out["epsilon_run"] = max(epsilons)
     return out
 
 
@@ -262,9 +290,10 @@ class FedProxAdapters(Strategy):
                                           momentum=config.server_momentum if kind == "momentum" else 0.0))
         self.completed_round = 0  # the round the global adapter comes from, counted across resumes
         self.round_offset = 0  # rounds done before this run started (Flower counts from 1 again)
-        self.privacy_ledger: dict[str, PrivacyReport] = {}  # Flower node (cid) -> its latest privacy report
-        self.client_ids: dict[str, str] = {}  # Flower node (cid) -> the client id it reported (logs, SecAgg+ errors)
-        self.exhausted: dict[str, str] = {}  # Flower node (cid) -> why it is no longer sampled (privacy budget)
+        # Per-client state, keyed by Flower's node id (``ClientProxy.cid``), never by a client's own name:
+        self.privacy_reports: dict[str, PrivacyReport] = {}  # node -> its latest report in this run
+        self.client_ids: dict[str, str] = {}  # node -> the name it gave itself (labels logs only)
+        self.exhausted: dict[str, str] = {}  # node -> why it is no longer sampled (privacy budget)
         self.last_round: dict[str, Any] = {}  # the record of the newest aggregated round
         self._round_start = time.perf_counter()
 
@@ -286,7 +315,6 @@ class FedProxAdapters(Strategy):
             "round": self.completed_round,
             "weights": [w.detach().clone() for w in self.weights],
             "optimizer": self.optimizer.state_dict(),
-            "privacy_ledger": {client: report.to_json_dict() for client, report in self.privacy_ledger.items()},
             "client_ids": dict(self.client_ids),
             "exhausted": dict(self.exhausted),
             "last_round": self.last_round,
@@ -299,7 +327,6 @@ class FedProxAdapters(Strategy):
                 weight.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.completed_round = self.round_offset = int(state["round"])
-        self.privacy_ledger = {client: PrivacyReport.from_json_dict(r) for client, r in state["privacy_ledger"].items()}
         self.client_ids = dict(state["client_ids"])
         self.exhausted = dict(state["exhausted"])
         self.last_round = state["last_round"]
@@ -387,25 +414,26 @@ class FedProxAdapters(Strategy):
                 messages.append(f"client {proxy.cid}: unreadable report: {error}")
         for proxy, _, report in reports:
             self._note(proxy, report)
-        for message in messages:  # under SecAgg+ a refusing client leaves the round with this error
-            if (error := CLIENT_ERROR.match(message)) and error["error"].startswith("PrivacyBudgetExhausted: "):
-                # Flower's SecAgg+ failures carry no node id, only the name the client gave itself.
-                for cid in [cid for cid, name in self.client_ids.items() if name == error["client_id"]]:
-                    self.exhausted.setdefault(cid, message)
+        self.note_refusals(messages)  # under SecAgg+ a refusing client leaves the round with an error
         refused = [r for _, _, r in reports if r.status == STATUS_BUDGET]
         contributing = [(p, res, r) for p, res, r in reports if res.num_examples > 0 and r.status != STATUS_BUDGET]
-        if not self.secure_aggregation:  # in the clear: check every update (clients already refuse non-finite ones)
+        if self.secure_aggregation:  # the one thing the server can check of each weight
+            largest = self.secure_aggregation.max_weight
+            messages += [f"client {self.label(p)}: num_examples={res.num_examples} exceeds secagg.max-weight="
+                         f"{largest:g}; its result is not counted" for p, res, _ in contributing
+                         if res.num_examples > largest]
+            contributing = [c for c in contributing if c[1].num_examples <= largest]
+        else:  # in the clear: check every update (honest clients already refuse non-finite ones)
             finite = [all(np.isfinite(a).all() for a in parameters_to_ndarrays(res.parameters))
                       for _, res, _ in contributing]
-            messages += [f"client {p.cid} (partition {r.partition_id}): non-finite update rejected"
+            messages += [f"client {self.label(p)}: non-finite update rejected"
                          for (p, _, r), ok in zip(contributing, finite) if not ok]
             contributing = [c for c, ok in zip(contributing, finite) if ok]
         for message in messages:
             log(WARNING, "round %s: client failure: %s", round_number, message)
         if not contributing:
             if refused and len(refused) == len(results) and not messages:
-                raise StopFederation(f"round {round_number}: every sampled client refused to train: its privacy "
-                                     f"budget is spent; stopping after round {self.completed_round}")
+                raise StopFederation(budget_spent(round_number, len(refused), len(results), self.completed_round))
             raise RoundFailed(f"round {round_number}: no client update to aggregate; "
                               f"{len(refused)} refused for their privacy budget, {len(messages)} failed: "
                               + ("; ".join(messages) or "no failure reported"))
@@ -416,12 +444,10 @@ class FedProxAdapters(Strategy):
                 plan = self._round_plan[0]
                 mean_update = decode_aggregate(mean_update, len(results), plan, round_number,
                                                [tuple(w.shape) for w in self.weights])
-            if not all(np.isfinite(a).all() for a in mean_update):
-                raise RoundFailed(f"round {round_number}: the securely aggregated update is not finite; "
-                                  "the global adapter is left unchanged")
+            self._check_feasible(round_number, mean_update, len(results))
         else:
-            mean_update = aggregate([(parameters_to_ndarrays(res.parameters), res.num_examples)
-                                     for _, res, _ in contributing])
+            mean_update = self._aggregate_in_the_clear([(parameters_to_ndarrays(res.parameters), res.num_examples)
+                                                        for _, res, _ in contributing])
         if sparse := self._sparse_round(round_number):  # the mean of the round's coordinates, back in place
             shapes = [tuple(w.shape) for w in self.weights]
             indices = coordinate_mask(sparse.seed, sum(w.numel() for w in self.weights), sparse.density)
@@ -434,7 +460,7 @@ class FedProxAdapters(Strategy):
             mean_update = fednova_rescale(mean_update, [(res.num_examples, r) for _, res, r in contributing])
         self._server_step(mean_update)
 
-        metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_ledger)
+        metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_reports)
         metrics.update(num_clients=len(contributing), num_failures=len(messages), num_refused=len(refused))
         if self.client_level is not None:
             metrics["epsilon_client_level"] = self.client_level_account.epsilon(self.client_level.delta)
@@ -444,10 +470,10 @@ class FedProxAdapters(Strategy):
         self.completed_round = round_number
         self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
                            "clients": sorted(r.partition_id for _, _, r in contributing),
-                           "iterations": {r.client_id: r.iterations for _, _, r in contributing},
+                           "iterations": {self.label(p): r.iterations for p, _, r in contributing},
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
-        epsilon = metrics.get("epsilon_total")
+        epsilon = metrics.get("epsilon_run")
         kl = metrics.get("kl", math.nan)  # nan when no KL term ran the reference pass
         training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
                     + ("" if math.isnan(kl) else f", kl {kl:.4f}")
@@ -455,27 +481,76 @@ class FedProxAdapters(Strategy):
                     f"noised reward {metrics['dp_reward_mean']:.3f}, response length {metrics['dp_response_length']:.1f}"
                     if "dp_reward_mean" in metrics else "training metrics not sent")
         log(INFO, "round %s: %s, epsilon %s, %s clients, %s failed, %s refused", round_number, training,
-            "off" if epsilon is None else f"{epsilon:.2f}", len(contributing), len(messages), len(refused))
+            "not sent" if epsilon is None else f"{epsilon:.2f} in this run", len(contributing), len(messages),
+            len(refused))
         log(INFO, "round %s: local iterations per client: %s", round_number,
             ", ".join(f"{cid} {n}" for cid, n in sorted(self.last_round["iterations"].items())))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
+    def label(self, proxy: ClientProxy) -> str:
+        """How logs name a node: the name it gave itself, and the node id that identifies it."""
+        name = self.client_ids.get(proxy.cid)
+        return f"{name} (node {proxy.cid})" if name is not None else f"node {proxy.cid}"
+
     def _note(self, proxy: ClientProxy, report: FitReport) -> None:
-        """Keep the client's privacy report, and stop sampling a client that refused, or that one
-        more round would take past its budget."""
-        self.client_ids[proxy.cid] = report.client_id
+        """Keep the node's privacy report, and stop sampling a node that refused, or that says one
+        more round would take it past its budget."""
+        self.client_ids.setdefault(proxy.cid, report.client_id)
         privacy = report.privacy
         if privacy is None:
             return
-        self.privacy_ledger[proxy.cid] = privacy
-        budget = privacy.epsilon_budget
-        if report.status == STATUS_BUDGET or (budget and privacy.epsilon_next > budget):
-            why = (f"client {report.client_id} (partition {report.partition_id}): epsilon "
-                   f"{privacy.epsilon_total:.3g} spent, {privacy.epsilon_next:.3g} after one more round > budget "
-                   f"{budget:g}")
+        self.privacy_reports[proxy.cid] = privacy
+        if report.status == STATUS_BUDGET or not privacy.fits_next_round:
+            why = f"client {self.label(proxy)}: one more round would pass its privacy budget"
             if proxy.cid not in self.exhausted:
                 log(INFO, "privacy budget: %s; not sampled again", why)
             self.exhausted[proxy.cid] = why
+
+    def note_refusals(self, messages: list[str]) -> dict[str, str]:
+        """Stop sampling the nodes whose failure is a refusal for their privacy budget; return them."""
+        refused = refused_nodes(messages)
+        for cid, message in refused.items():
+            self.exhausted.setdefault(cid, message)
+        return refused
+
+    def _check_feasible(self, round_number: int, mean: NDArrays, num_clients: int) -> None:
+        """Fail the round when the unmasked aggregate is outside what honest clients can send.
+
+        Every honest client checks its update against the SecAgg+ clipping range c before masking
+        (``secagg.check_update``), so the weighted mean of honest updates lies in [-c, c] up to
+        SecAgg+'s rounding (``secagg.precision``), and under client-level DP its L2 norm within
+        ``distributed_dp.feasible_mean_norm``. A client that skips its own checks can put anything
+        in its masked vector (NaN quantizes to an arbitrary integer); SecAgg+ hides who. Inside the
+        range nothing can be told apart from honest updates (the module docstring says what that
+        leaves possible)."""
+        if self.client_level is not None:
+            norm = float(np.sqrt(sum(float(np.sum(np.square(a))) for a in mean)))
+            bound = feasible_mean_norm(self._round_plan[0], num_clients)
+            problem = (None if norm <= bound else
+                       f"its L2 norm {norm:.4g} exceeds {bound:.4g}, the most that {num_clients} clipped, noised "
+                       "client updates reach")
+        else:
+            clipping_range, precision = self.secure_aggregation.clipping_range, self.config.secagg.precision
+            count, largest = infeasible_coordinates(mean, clipping_range + precision)
+            problem = (None if not count else
+                       f"{count} of {sum(a.size for a in mean)} coordinates are outside +-{clipping_range:g} "
+                       f"(secagg.clipping-range, which every honest client checks; largest |value| {largest:.4g})")
+        if problem:
+            raise RoundFailed(f"round {round_number}: the securely aggregated update of {num_clients} clients is not "
+                              f"one that honest clients can send: {problem}. At least one node sent an update it did "
+                              "not check (faulty or malicious; SecAgg+ hides which). The global adapter is left "
+                              "unchanged")
+
+    def _aggregate_in_the_clear(self, results: list[tuple[NDArrays, int]]) -> NDArrays:
+        """``aggregation``: the num_examples-weighted mean (``mean``, ``fednova``), or a robust
+        statistic that ignores the weights (Flower's ``aggregate_median``, Yin et al. 2018, and
+        ``aggregate_trimmed_avg`` at ``trim-fraction`` per side)."""
+        kind = self.config.aggregation
+        if kind == "median":
+            return aggregate_median(results)
+        if kind == "trimmed_mean":
+            return aggregate_trimmed_avg(results, self.config.trim_fraction)
+        return aggregate(results)
 
     def _server_step(self, mean_update: NDArrays) -> None:
         """The mean update is a descent direction: its negative is the pseudo-gradient."""
@@ -501,22 +576,44 @@ class FedProxAdapters(Strategy):
         return self.config.fraction_evaluate == 1.0
 
     def check_preflight(self, server_round: int, results: list, failures: list) -> None:
-        """Raise ``PreflightFailed`` with one line per distinct client error, naming the clients. A
-        node that did not answer in time only gets a warning: the rounds' own fault handling
-        (dropouts, deadlines) deals with it, while an error it did report would recur each round."""
+        """Raise ``PreflightFailed`` with one line per distinct client error, naming the nodes, or
+        when two nodes claim one ``client-id``. A node that did not answer in time only gets a
+        warning: the rounds' own fault handling (dropouts, deadlines) deals with it, while an error
+        it did report would recur each round."""
         silent = [f for f in failures if isinstance(f, NoReply)]
         failures = [f for f in failures if not isinstance(f, NoReply)]
         for failure in silent:
             log(WARNING, "preflight: %s", failure)
-        if not failures:
-            log(INFO, "preflight: %s clients ready", len(results))
-            return
         by_error: dict[str, list[str]] = {}
         for message in describe_failures(failures):
-            match = CLIENT_ERROR.match(message)
-            by_error.setdefault(match["error"] if match else message, []).append(match["client_id"] if match else "?")
+            node = NODE_ERROR.match(message)
+            reason = node["reason"] if node else message
+            match = CLIENT_ERROR.match(reason)
+            who = f"node {node['node_id']}" if node else "?"
+            by_error.setdefault(match["error"] if match else reason, []).append(
+                f"{match['client_id']} ({who})" if match else who)
+        claims: dict[str, list[str]] = {}
+        unfit = len(failures)
+        for proxy, res in results:
+            try:
+                report = PreflightReport.from_metrics(getattr(res, "properties", None) or res.metrics)
+            except ProtocolError as error:
+                by_error.setdefault(f"unreadable preflight reply: {error}", []).append(f"node {proxy.cid}")
+                unfit += 1
+                continue
+            self.client_ids[proxy.cid] = report.client_id
+            claims.setdefault(report.client_id, []).append(proxy.cid)
+        for name, nodes in claims.items():
+            if len(nodes) > 1:
+                unfit += len(nodes)
+                by_error.setdefault(
+                    f"nodes {', '.join(sorted(nodes))} all claim client-id={name!r}; a client-id labels one node, "
+                    "so give each node its own (node config client-id)", []).append(name)
+        if not by_error:
+            log(INFO, "preflight: %s clients ready", len(results))
+            return
         lines = [f"clients {', '.join(sorted(who))}: {error}" for error, who in by_error.items()]
-        raise PreflightFailed(f"round {self.round_number(server_round)}: preflight: {len(failures)} of "
+        raise PreflightFailed(f"round {self.round_number(server_round)}: preflight: {unfit} of "
                               f"{len(results) + len(failures)} clients cannot train; nothing was trained:\n  "
                               + "\n  ".join(lines))
 

@@ -11,6 +11,12 @@ direction (``down``: server to client, ``up``: the reply) and stage (``get_prope
 ``secagg_collect_masked_vectors``, ``secagg_unmask``). ``WireMeter.take`` summarises and resets
 it; ``workflow.RoundLoop`` writes that summary into each round's ``metrics.jsonl`` record.
 
+``NodeNamedErrors`` wraps it too and puts the node id of the addressee in front of every error
+reply: "node <id>: <reason>". Flower's SecAgg+ workflow keeps a failed client's error without its
+node id, and the client's own reason names only what the client calls itself, which any node can
+claim; the node id (bound to the node's key under SuperNode authentication) is what the strategy
+keys its per-client state on.
+
 What a parameter costs: in the clear, its dtype (float32 from clients, float64 from the server's
 global weights). Under SecAgg+ each masked entry is an int64 (8 bytes) whatever the modulus:
 the 2**40 modulus needs 40 bits, so 3 of every 8 bytes carry nothing, and a 2**k modulus packed
@@ -22,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 from flwr.server import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
@@ -112,3 +118,50 @@ class MeteredGrid(Grid):
             node = reply.metadata.src_node_id
             self.meter.count(reply, "up", node, by_node.get(node) or stage_of(reply))
         return replies
+
+
+class NodeNamedErrors(Grid):
+    """A ``Grid`` that passes everything to ``grid`` and names, in every error reply, the node that
+    the answered message was sent to (the SuperLink's errors about a dead node included)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self._addressee: dict[str, int] = {}  # message id -> its destination node, until answered
+
+    def set_run(self, run_id: int) -> None:
+        self.grid.set_run(run_id)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        ids = list(self.grid.push_messages(messages))
+        self._addressee.update(zip(ids, (m.metadata.dst_node_id for m in messages)))
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._named(reply) for reply in self.grid.pull_messages(message_ids)]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self._addressee.update((m.metadata.message_id, m.metadata.dst_node_id) for m in messages)  # ids set on push
+        named = [self._named(reply) for reply in replies]
+        for message in messages:  # unanswered ones too: nothing outlives the call
+            self._addressee.pop(message.metadata.message_id, None)
+        return named
+
+    def _named(self, reply: Message) -> Message:
+        node = self._addressee.pop(reply.metadata.reply_to_message_id, None)
+        if reply.has_error() and node is not None:
+            reply.error = Error(reply.error.code, f"node {node}: {reply.error.reason or ''}")
+        return reply

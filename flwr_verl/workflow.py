@@ -30,7 +30,6 @@ import time
 from functools import partial
 from logging import INFO, WARNING
 
-from flwr.app import Error
 from flwr.common import Code, Message, MessageType, log
 from flwr.common.constant import MessageTypeLegacy
 import flwr.compat.common.recorddict_compat as compat
@@ -42,8 +41,9 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 
 from flwr_verl.config import FederationConfig
 from flwr_verl.rundir import RunDirectory
-from flwr_verl.wire import MeteredGrid, WireMeter
-from flwr_verl.strategy import FedProxAdapters, NoReply, RoundFailed, describe_failures
+from flwr_verl.wire import MeteredGrid, NodeNamedErrors, WireMeter
+from flwr_verl.strategy import (FedProxAdapters, NoReply, RoundFailed, StopFederation, budget_spent,
+                                describe_failures)
 
 
 # Legacy instructions to Flower's records and replies back, per message type.
@@ -59,7 +59,8 @@ CONVERTERS = {
 def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
              timeout: float) -> tuple[list, list]:
     """Send each ``(proxy, FitIns | EvaluateIns | GetPropertiesIns)`` and collect replies for at most ``timeout``
-    seconds; return ``(results, failures)`` as the legacy strategy API expects them."""
+    seconds; return ``(results, failures)`` as the legacy strategy API expects them. On a
+    ``wire.NodeNamedErrors`` grid every error names its node."""
     to_recorddict, from_recorddict = CONVERTERS[message_type]
     proxies = {proxy.node_id: proxy for proxy, _ in instructions}
     messages = [Message(content=to_recorddict(ins), dst_node_id=proxy.node_id, message_type=message_type,
@@ -74,10 +75,8 @@ def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message
         if reply.has_content():
             res = from_recorddict(reply.content)
             (results if res.status.code == Code.OK else failures).append((proxy, res))
-        elif reply.metadata.src_node_id == proxy.node_id:  # the client's own error
+        else:
             failures.append(Exception(reply.error))
-        else:  # the SuperLink's, about the node
-            failures.append(Exception(Error(reply.error.code, f"node {proxy.node_id}: {reply.error.reason}")))
     answered = {reply.metadata.reply_to_message_id for reply in replies}
     failures += [NoReply(f"node {proxy.node_id} sent no {message_type} reply within {timeout:g} s")
                  for message_id, proxy in addressee.items() if message_id not in answered]
@@ -105,7 +104,7 @@ class RoundLoop:
         self.wire = WireMeter()
 
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
-        grid = MeteredGrid(grid, self.wire)
+        grid = NodeNamedErrors(MeteredGrid(grid, self.wire))
         current = current_round(legacy)
         if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
             self.first_round(grid, legacy)
@@ -148,7 +147,8 @@ class RoundLoop:
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
         record = dict(self.strategy.state_dict()["last_round"])
-        if evaluation := self.evaluate_round(MeteredGrid(grid, self.wire), legacy, current_round(legacy)):
+        if evaluation := self.evaluate_round(NodeNamedErrors(MeteredGrid(grid, self.wire)), legacy,
+                                             current_round(legacy)):
             record["evaluate"] = evaluation
         record["wire"] = self.wire.take()
         self.run.append_metrics(record)
@@ -189,15 +189,14 @@ class RoundLoop:
 
 def progress_line(record: dict, rounds: int) -> str:
     """One line per round: sampled reward before and after local training, held-out accuracy,
-    epsilon so far against the strictest budget, seconds, and bytes up and down."""
+    this run's epsilon so far, seconds, and bytes up and down."""
     fit, evaluation = record.get("fit", {}), record.get("evaluate", {})
     parts = [f"reward {fit['reward_before']:.3f} -> {fit['reward_after']:.3f}" if "reward_before" in fit
              else f"noised reward {fit['dp_reward_mean']:.3f}" if "dp_reward_mean" in fit
              else "training metrics not sent",
              f"held-out accuracy {evaluation['accuracy']:.3f}" if "accuracy" in evaluation else "not evaluated"]
-    if "epsilon_total" in fit:
-        budget = f" of budget {fit['epsilon_budget']:g}" if "epsilon_budget" in fit else ""
-        parts.append(f"epsilon {fit['epsilon_total']:.2f}{budget}")
+    if "epsilon_run" in fit:
+        parts.append(f"epsilon {fit['epsilon_run']:.2f} in this run")
     parts.append(f"{record.get('seconds', math.nan):.1f} s")
     if wire := record.get("wire"):  # measured on the wire, every stage, summed over the clients
         parts.append(f"{sum(wire['up'].values()) / 1e6:.2f} MB up, {sum(wire['down'].values()) / 1e6:.2f} MB down "
@@ -217,7 +216,9 @@ class CheckedSecAggPlusWorkflow(SecAggPlusWorkflow):
     Flower only logs "Secure aggregation halted." and goes on to the next round, so a round
     that lost more clients than the reconstruction threshold allows would pass silently. Here
     it ends the run with the stage, the number of clients left, the threshold and every
-    client's reason; the global adapter is left as it was.
+    client's reason; the global adapter is left as it was. When every client that left did so
+    for its privacy budget, the federation has spent what it may: ``StopFederation`` ends the
+    run normally after the last completed round, as in the clear.
     """
 
     STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
@@ -229,8 +230,18 @@ class CheckedSecAggPlusWorkflow(SecAggPlusWorkflow):
         for stage, step in zip(self.STAGES, steps):
             if not step(grid, context, state):
                 log(WARNING, "Secure aggregation halted.")
+                self._stop_if_spent(context, state)
                 raise RoundFailed(self._halted(context, state, stage))
         log(INFO, "Secure aggregation completed.")
+
+    @staticmethod
+    def _stop_if_spent(context: LegacyContext, state: WorkflowState) -> None:
+        strategy = context.strategy
+        messages = describe_failures(state.failures)
+        refused = strategy.note_refusals(messages)
+        if messages and len(refused) == len(messages):
+            raise StopFederation(budget_spent(strategy.round_number(current_round(context)), len(refused),
+                                              len(state.sampled_node_ids), strategy.completed_round))
 
     @staticmethod
     def _halted(context: LegacyContext, state: WorkflowState, stage: str) -> str:

@@ -3,11 +3,11 @@ malformed message is an error naming the entry."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount
 from flwr_verl.protocol import (
     STATUS_BUDGET,
     STATUS_OK,
@@ -23,9 +23,7 @@ from flwr_verl.protocol import (
     TrainingSummary,
 )
 
-ACCOUNT = PrivacyAccount("rdp").after(IterationMechanism(0.8, 0.05, 2), 7)
-PRIVACY = PrivacyReport(account=ACCOUNT, epsilon_total=1.5, epsilon_round=0.4, epsilon_next=1.9, epsilon_budget=8.0,
-                        noise_multiplier=0.8, delta=1e-5)
+PRIVACY = PrivacyReport(fits_next_round=True, epsilon_run=1.5)
 TRAINING = TrainingSummary(reward_before=0.25, reward_after=0.5, reward_mean=0.375, kl=0.01, response_length=3.5,
                            pg_loss=-0.02, time_fit=1.0, time_rollout=0.2, time_reward=0.01, time_log_prob=0.1,
                            time_advantage=0.001, time_update=0.5)
@@ -107,8 +105,11 @@ def test_a_report_with_an_unknown_status_or_a_bool_for_an_int_is_rejected():
 
 
 def test_an_infinite_epsilon_survives_the_trip():
-    loud = PrivacyReport(account=PrivacyAccount("rdp", [(0.0, 0.1, 1)]), epsilon_total=math.inf,
-                         epsilon_round=math.inf, epsilon_next=math.inf, epsilon_budget=0.0, noise_multiplier=0.0,
-                         delta=1e-5)
+    loud = PrivacyReport(fits_next_round=False, epsilon_run=math.inf)
     report = FitReport(status=STATUS_OK, partition_id=0, client_id="0", bytes_received=0, bytes_sent=0, privacy=loud)
-    assert FitReport.from_metrics(report.to_metrics()).privacy.epsilon_total == math.inf
+    assert FitReport.from_metrics(report.to_metrics()).privacy == loud
+    quiet = dataclasses.replace(report, privacy=PrivacyReport(fits_next_round=True))  # no epsilon: weights not exact
+    assert "privacy.epsilon_run" not in quiet.to_metrics()
+    assert FitReport.from_metrics(quiet.to_metrics()).privacy == PrivacyReport(True, None)
+    with pytest.raises(ProtocolError, match="'epsilon_run'=-1.0 must be a number >= 0"):
+        FitReport.from_metrics({**report.to_metrics(), "privacy.epsilon_run": -1.0})
