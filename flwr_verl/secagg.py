@@ -160,18 +160,21 @@ def exact_update(new: list[np.ndarray], old: list[np.ndarray]) -> list[np.ndarra
     return [np.asarray(n, dtype=np.float64) - np.asarray(o, dtype=np.float64) for n, o in zip(new, old, strict=True)]
 
 
-def infeasible_coordinates(mean: list[np.ndarray], bound: float) -> tuple[int, float]:
-    """The server's check of an unmasked weighted mean: how many coordinates are non-finite or
-    outside [-bound, bound], and the largest |value|. Honest clients send updates within
-    [-clipping_range, clipping_range] (``check_update``), and a weighted mean of those stays in
-    that range up to SecAgg+'s rounding, so ``bound`` is the clipping range plus
-    ``secagg.precision``."""
-    count, largest = 0, 0.0
+def infeasible_coordinates(mean: list[np.ndarray], bound: float) -> tuple[int, int, float]:
+    """The server's check of an unmasked weighted mean: how many coordinates are outside
+    [-bound, bound], how many of those are not finite, and the largest finite |value|. Honest
+    clients send updates within [-clipping_range, clipping_range] (``check_update``), and a
+    weighted mean of those stays in that range up to SecAgg+'s rounding, so ``bound`` is the
+    clipping range plus ``secagg.precision``."""
+    outside = nonfinite = 0
+    largest = 0.0
     for a in mean:
         magnitude = np.abs(np.asarray(a, dtype=np.float64))
-        count += int(np.count_nonzero(~(magnitude <= bound)))  # NaN compares false: counted
-        largest = max(largest, float(np.nanmax(magnitude, initial=0.0)))
-    return count, largest
+        finite = np.isfinite(magnitude)
+        outside += int(np.count_nonzero(~(magnitude <= bound)))  # NaN compares false: counted
+        nonfinite += int(np.count_nonzero(~finite))
+        largest = max(largest, float(magnitude[finite].max(initial=0.0)))
+    return outside, nonfinite, largest
 
 
 def check_update(update: list[np.ndarray], num_examples: int, clipping_range: float, max_weight: float) -> None:

@@ -470,7 +470,7 @@ class FedProxAdapters(Strategy):
         self.completed_round = round_number
         self.last_round = {"round": round_number, "fit": metrics, "failures": messages,
                            "clients": sorted(r.partition_id for _, _, r in contributing),
-                           "iterations": {self.label(p): r.iterations for p, _, r in contributing},
+                           "iterations": {p.cid: r.iterations for p, _, r in contributing},  # by node id
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
         epsilon = metrics.get("epsilon_run")
@@ -484,7 +484,7 @@ class FedProxAdapters(Strategy):
             "not sent" if epsilon is None else f"{epsilon:.2f} in this run", len(contributing), len(messages),
             len(refused))
         log(INFO, "round %s: local iterations per client: %s", round_number,
-            ", ".join(f"{cid} {n}" for cid, n in sorted(self.last_round["iterations"].items())))
+            ", ".join(f"{self.label(p)} {r.iterations}" for p, _, r in contributing))
         return ndarrays_to_parameters(self.global_arrays), metrics
 
     def label(self, proxy: ClientProxy) -> str:
@@ -531,10 +531,11 @@ class FedProxAdapters(Strategy):
                        "client updates reach")
         else:
             clipping_range, precision = self.secure_aggregation.clipping_range, self.config.secagg.precision
-            count, largest = infeasible_coordinates(mean, clipping_range + precision)
-            problem = (None if not count else
-                       f"{count} of {sum(a.size for a in mean)} coordinates are outside +-{clipping_range:g} "
-                       f"(secagg.clipping-range, which every honest client checks; largest |value| {largest:.4g})")
+            outside, nonfinite, largest = infeasible_coordinates(mean, clipping_range + precision)
+            problem = (None if not outside else
+                       f"{outside} of {sum(a.size for a in mean)} coordinates are outside +-{clipping_range:g} "
+                       f"(secagg.clipping-range, which every honest client checks; {nonfinite} not finite, largest "
+                       f"finite |value| {largest:.4g})")
         if problem:
             raise RoundFailed(f"round {round_number}: the securely aggregated update of {num_clients} clients is not "
                               f"one that honest clients can send: {problem}. At least one node sent an update it did "
@@ -589,9 +590,9 @@ class FedProxAdapters(Strategy):
             node = NODE_ERROR.match(message)
             reason = node["reason"] if node else message
             match = CLIENT_ERROR.match(reason)
-            who = f"node {node['node_id']}" if node else "?"
-            by_error.setdefault(match["error"] if match else reason, []).append(
-                f"{match['client_id']} ({who})" if match else who)
+            names = [match["client_id"]] if match else []
+            names += [f"(node {node['node_id']})"] if node else []
+            by_error.setdefault(match["error"] if match else reason, []).append(" ".join(names) or "?")
         claims: dict[str, list[str]] = {}
         unfit = len(failures)
         for proxy, res in results:

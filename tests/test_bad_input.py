@@ -252,7 +252,8 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
         small.get_properties(PreflightConfig().to_config())
     with pytest.raises(ConfigError, match=r"secagg.max-weight=8 is invalid: this client has 32 training prompts"):
         VerlClient(config, rows, [], partition_id=0).get_properties(PreflightConfig(SecAggBounds(1.0, 8.0)).to_config())
-    assert VerlClient(config, rows, [], partition_id=0).get_properties(PreflightConfig().to_config()) == {"status": "ok"}
+    assert VerlClient(config, rows, [], partition_id=0).get_properties(PreflightConfig().to_config()) == \
+        {"status": "ok", "preflight.client_id": "0"}
 
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3),
                                [np.zeros(2, np.float32)], local_iterations=1)
@@ -261,7 +262,7 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
     reason = "data.train_batch_size=16 with 10 private prompts gives sample rate q=1.6"
     failures = [Exception(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"partition {p}: ConfigError: {reason}"))
                 for p in (1, 2)]
-    ok = [(manager.proxies["a"], GetPropertiesRes(Status(Code.OK, ""), {"status": "ok"}))]
+    ok = [(manager.proxies["a"], GetPropertiesRes(Status(Code.OK, ""), {"status": "ok", "preflight.client_id": "0"}))]
     with pytest.raises(PreflightFailed) as error:
         strategy.check_preflight(1, ok, failures)
     assert str(error.value) == ("round 1: preflight: 2 of 3 clients cannot train; nothing was trained:\n"

@@ -332,7 +332,7 @@ def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_ep
         assert res.num_examples == 1
         assert sent.size == 1 << (dim - 1).bit_length()
         assert (sent == np.round(sent)).all() and sent.min() >= -modulus // 2 and sent.max() < modulus // 2
-    assert 0 < metrics["epsilon_client_level"] < math.inf and metrics["epsilon_total"] > 0
+    assert 0 < metrics["epsilon_client_level"] < math.inf and metrics["epsilon_run"] > 0
     moved = np.concatenate([(a - b).ravel() for a, b in zip(strategy.global_arrays, initial)])
     assert np.linalg.norm(moved) > 0
     assert strategy.state_dict()["client_level_account"] == strategy.client_level_account.to_json()

@@ -65,16 +65,21 @@ def test_a_new_run_on_the_same_data_continues_and_the_nodes_budget_holds(tiny_co
     first_run = client_from_context(node(ledger, run_id=1), config)
     _, _, metrics = first_run.fit(first_run.adapters.get_arrays(), fit_config())
     first = FitReport.from_metrics(metrics).privacy
-    assert first.epsilon_total > 0 and first.account.steps == 1
+    spent_once = PrivacyLedger(ledger).account(first_run.data_set)
+    assert spent_once.steps == 1 and spent_once.epsilon(DELTA) > 0
+    assert first.epsilon_run == pytest.approx(spent_once.epsilon(DELTA))
 
     client_module._LEDGERS.clear()  # the node restarted between the runs
     second_run = client_from_context(node(ledger, run_id=2), config)
     _, _, metrics = second_run.fit(second_run.adapters.get_arrays(), fit_config())
     second = FitReport.from_metrics(metrics).privacy
-    assert second.account.steps == 2 and second.epsilon_total > first.epsilon_total
-    assert second.epsilon_round == pytest.approx(second.epsilon_total - first.epsilon_total)
+    spent_twice = PrivacyLedger(ledger).account(second_run.data_set)
+    assert spent_twice.steps == 2 and spent_twice.epsilon(DELTA) > first.epsilon_run
+    assert second.epsilon_run == pytest.approx(first.epsilon_run)  # the server hears of this run's spend only
 
-    budget = (second.epsilon_total + second.epsilon_next) / 2  # allows two rounds, not three
+    (sigma, q, _), = spent_twice.history
+    thrice = spent_twice.after(IterationMechanism(sigma, q), 1).epsilon(DELTA)
+    budget = (spent_twice.epsilon(DELTA) + thrice) / 2  # allows two rounds, not three
     third_run = client_from_context(node(ledger, run_id=3, **{"epsilon-budget": budget}), config)
     assert config.privacy.epsilon_budget == 0  # the run itself sets no budget
     update, weight, metrics = third_run.fit(third_run.adapters.get_arrays(), fit_config())
@@ -89,23 +94,21 @@ def report(client_id: str, privacy: PrivacyReport) -> dict:
 
 
 def test_a_forged_client_id_changes_nothing():
-    """Node b claims node a's client id with an empty history that would exhaust its budget: the
-    server keeps both reports apart by node id, sends neither to anyone, and stops sampling b only."""
+    """Node b claims node a's client id and says its budget is spent: the server keeps both
+    reports apart by node id, sends neither to anyone, and stops sampling b only."""
     from flwr.common import Code, FitRes, Status
 
     arrays = [np.zeros((2, 2), np.float32)]
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=1, min_available_clients=1,
                                                 secagg=SecAggConfig(enabled=False)), arrays, local_iterations=1)
     manager = InProcessClients.named(["a", "b"])
-    honest = PrivacyReport(account=PrivacyAccount().after(IterationMechanism(1.0, 0.25), 4), epsilon_total=2.0,
-                           epsilon_round=0.5, epsilon_next=2.4, epsilon_budget=8.0, noise_multiplier=1.0, delta=DELTA)
-    forged = PrivacyReport(account=PrivacyAccount(), epsilon_total=0.0, epsilon_round=0.0, epsilon_next=9.0,
-                           epsilon_budget=8.0, noise_multiplier=1.0, delta=DELTA)
+    honest = PrivacyReport(fits_next_round=True, epsilon_run=2.0)
+    forged = PrivacyReport(fits_next_round=False, epsilon_run=0.0)
     results = [(manager.proxies[cid], FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 8,
                                              report("hospital-a", privacy)))
                for cid, privacy in (("a", honest), ("b", forged))]
     strategy.aggregate_fit(1, results, [])
-    assert strategy.privacy_ledger == {"a": honest, "b": forged}
+    assert strategy.privacy_reports == {"a": honest, "b": forged}
     assert set(strategy.exhausted) == {"b"}
     sampled = strategy.configure_fit(2, ndarrays_to_parameters(arrays), manager)
     assert [proxy.cid for proxy, _ in sampled] == ["a"]
@@ -141,13 +144,13 @@ def test_the_same_prompts_spend_one_budget_across_stages(tiny_config, tmp_path):
     rows = load_rows(policy.data, "train", seed=0)
     sft_client = VerlClient(sft, load_units(sft.data, "train", seed=0), [], ledger=ledger, run_id="sft")
     _, _, metrics = sft_client.fit(sft_client.adapters.get_arrays(), fit_config())
-    after_sft = FitReport.from_metrics(metrics).privacy
+    after_sft = ledger.account(sft_client.data_set)
     policy_client = VerlClient(policy, rows, [], ledger=ledger, run_id="policy")
     _, _, metrics = policy_client.fit(policy_client.adapters.get_arrays(), fit_config())
-    after_policy = FitReport.from_metrics(metrics).privacy
+    after_policy = ledger.account(policy_client.data_set)
     assert policy_client.data_set == sft_client.data_set
-    assert after_sft.account.steps == 1 and after_policy.account.steps == 2
-    assert after_policy.epsilon_total > after_sft.epsilon_total
+    assert after_sft.steps == 1 and after_policy.steps == 2
+    assert after_policy.epsilon(DELTA) > after_sft.epsilon(DELTA)
     assert [run.run_id for run in ledger.runs(policy_client.data_set)] == ["sft", "policy"]
 
     pairs = [PreferenceUnit(row["data_source"], row["prompt"], [(row["reward_model"]["ground_truth"], "0")])
@@ -228,7 +231,7 @@ def test_a_crash_between_the_ledger_write_and_the_send_over_counts(tiny_config, 
     client_module._LEDGERS.clear()
     restarted = client_from_context(node(path, run_id=1), config)
     _, _, metrics = restarted.fit(restarted.adapters.get_arrays(), fit_config())
-    assert FitReport.from_metrics(metrics).privacy.account.steps == 2  # the lost round still counts
+    assert PrivacyLedger(path).account(restarted.data_set).steps == 2  # the lost round still counts
 
 
 @pytest.mark.parametrize(("metrics", "num_examples", "sends_training", "weight"), [

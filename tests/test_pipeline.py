@@ -34,7 +34,7 @@ def test_stage_1_then_stage_2_against_each_nodes_reward_model_under_dp_and_secag
                                                       "actor.ppo_mini_batch_size": 8})
         rounds = records(stage1)
         assert [r["round"] for r in rounds] == [0, 1]
-        assert rounds[1]["fit"]["epsilon_total"] > 0 and 0 <= rounds[1]["evaluate"]["accuracy"] <= 1
+        assert rounds[1]["fit"]["epsilon_run"] > 0 and 0 <= rounds[1]["evaluate"]["accuracy"] <= 1
         assert (stage1 / "adapters" / "round-0001" / "reward_model" / "adapter_config.json").is_file()
         shutil.copytree(stage1 / "reward_model", reward_model)
 
@@ -42,4 +42,4 @@ def test_stage_1_then_stage_2_against_each_nodes_reward_model_under_dp_and_secag
         # every evaluation would cost one more ClientApp process per node.
         stage2 = _run(deployment, tmp_path / "out2", {**ONE_ROUND, "reward_model.enable": True, "evaluate-every": 0})
         (record,) = records(stage2)
-        assert record["round"] == 1 and record["fit"]["epsilon_total"] > 0 and record["fit"]["num_clients"] == 3
+        assert record["round"] == 1 and record["fit"]["epsilon_run"] > 0 and record["fit"]["num_clients"] == 3

@@ -190,4 +190,4 @@ def test_a_stage_1_client_fits_under_dp_and_a_node_time_budget(trainee):
     update, weight, metrics = client.fit(client.get_parameters({}), instructions.to_config())
     report = FitReport.from_metrics(metrics)
     assert report.iterations == 1 and weight > 0 and any(abs(a).max() > 0 for a in update)
-    assert report.privacy is not None and report.privacy.epsilon_total > 0
+    assert report.privacy is not None and report.privacy.epsilon_run > 0

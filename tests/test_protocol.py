@@ -64,10 +64,7 @@ def test_evaluate_config_round_trips_through_flowers_config(config):
 def test_fit_report_round_trips_through_flowers_metrics(report):
     wire = report.to_metrics()
     assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())
-    again = FitReport.from_metrics(wire)
-    assert again == report
-    if report.privacy is not None:
-        assert again.privacy.account.epsilon(1e-5) == pytest.approx(ACCOUNT.epsilon(1e-5))
+    assert FitReport.from_metrics(wire) == report
 
 
 def test_evaluate_report_round_trips():

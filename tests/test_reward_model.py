@@ -87,7 +87,7 @@ def test_a_client_trains_against_its_node_reward_model_under_dp(tiny_config, rew
     update, _, metrics = client.fit(client.get_parameters({}), instructions.to_config())
     report = FitReport.from_metrics(metrics)
     assert any(abs(a).max() > 0 for a in update)
-    assert report.training.time_reward > 0 and report.privacy.epsilon_total > 0
+    assert report.training.time_reward > 0 and report.privacy.epsilon_run > 0
 
 
 # ----------------------------------------------------------------------------- bad input

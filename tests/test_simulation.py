@@ -38,9 +38,9 @@ def test_every_round_is_recorded_with_epsilon(simulation_run):
     rounds = rounds[1:]
     for record in rounds:
         assert record["fit"]["num_clients"] == 3
-        assert record["fit"]["epsilon_total"] > 0
+        assert record["fit"]["epsilon_run"] > 0
         assert 0 <= record["evaluate"]["reward"] <= 1
-    assert rounds[1]["fit"]["epsilon_total"] > rounds[0]["fit"]["epsilon_total"]
+    assert rounds[1]["fit"]["epsilon_run"] > rounds[0]["fit"]["epsilon_run"]
     assert (run_dir / "progress.png").stat().st_size > 0
 
 
