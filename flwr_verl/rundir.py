@@ -12,9 +12,9 @@ A checkpoint is written to a temporary directory, synced to disk and renamed int
 server killed mid-save leaves the previous one intact. ``metrics.jsonl`` lines are appended and
 synced.
 
-Resume continues the newest ``run-*`` directory and never writes over anything it did not
-verify. It checks the config, then looks for the newest checkpoint whose hash verifies; only
-then does it write anything:
+Resume continues the newest run that saved a round (it has ``adapters/``) and never writes over
+anything it did not verify. It checks the config, then looks for the newest checkpoint whose
+hash verifies; only then does it write anything:
 
 - newer checkpoints that failed verification are moved aside, not replaced, to
   ``adapters/round-NNNN.damaged-<time>``, with a WARNING naming each, and their rounds run again;
@@ -107,7 +107,7 @@ class RunDirectory:
         else a new run directory with a unique name."""
         root = Path(output_dir).expanduser().resolve()
         if config.federation.resume:
-            runs = sorted(p for p in root.glob("run-*") if p.is_dir()) if root.is_dir() else []
+            runs = sorted(p for p in root.glob("run-*") if (p / "adapters").is_dir()) if root.is_dir() else []
             if runs:
                 run = cls(runs[-1], adapters)
                 changes = run.check_resumed_config(config)
