@@ -9,10 +9,23 @@
       progress.png                 reward, KL and epsilon per round
 
 A checkpoint is written to a temporary directory, synced to disk and renamed into place, so a
-server killed mid-save leaves the previous one intact; one that fails its hash check is skipped
-with a warning. ``metrics.jsonl`` lines are appended and synced; on resume the file is
-reconciled with the checkpoint (rounds after it are dropped and run again; the checkpoint's own
-round is restored if the kill came between saving it and appending it).
+server killed mid-save leaves the previous one intact. ``metrics.jsonl`` lines are appended and
+synced.
+
+Resume continues the newest run that saved a round (it has ``adapters/``) and never writes over
+anything it did not verify. It checks the config, then looks for the newest checkpoint whose
+hash verifies; only then does it write anything:
+
+- newer checkpoints that failed verification are moved aside, not replaced, to
+  ``adapters/round-NNNN.damaged-<time>``, with a WARNING naming each, and their rounds run again;
+- ``metrics.jsonl`` is rewritten to hold rounds 0..N of that checkpoint once each (later rounds
+  are dropped and run again; a torn last line is dropped; the checkpoint's own round is restored
+  if the kill came between saving it and appending it).
+
+With no checkpoint that verifies it refuses (``CheckpointError``) before any client trains,
+changing nothing: the error names each damaged file and the ways on, a new run (``resume=false``
+or a new ``output-dir``), started from the newest saved policy adapter that loads
+(``model.init_adapter``) when there is one.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from logging import INFO, WARNING
@@ -30,8 +44,12 @@ from pathlib import Path
 import numpy as np
 from flwr.common import log
 
-from flwr_verl.checkpoint import MANIFEST, CheckpointError, load_state, save_state
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from flwr_verl.checkpoint import CheckpointError, load_state, save_state
 from flwr_verl.config import ConfigError, RunConfig
+from flwr_verl.models import AdapterSet
 
 # What a resumed run may change: how long it runs, where it writes, how often it evaluates and
 # saves, and how long it waits. Everything else changes what is trained or what it spends.
@@ -50,7 +68,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[prefix + key] = value
     return out
-from flwr_verl.models import AdapterSet
+
+
+ROUND_DIR = re.compile(r"round-(\d{4,})")  # what ``save`` names; a moved-aside damaged one does not match
 
 
 def fingerprint(arrays: list[np.ndarray]) -> str:
@@ -61,24 +81,38 @@ def fingerprint(arrays: list[np.ndarray]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _loads_as_adapter(directory: Path) -> bool:
+    """Whether ``directory`` parses as a PEFT adapter (config JSON, complete safetensors)."""
+    try:
+        json.loads((directory / "adapter_config.json").read_text())
+        load_file(str(directory / "adapter_model.safetensors"))
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return True
+
+
 class RunDirectory:
     """Writes one run's outputs and finds the checkpoint to resume from."""
 
     def __init__(self, path: Path, adapters: AdapterSet) -> None:
         self.path = path
         self.adapters = adapters
+        self.resumed: dict | None = None  # the checkpoint state a resumed run continues from
         self.path.mkdir(parents=True, exist_ok=True)
 
     @classmethod
     def create(cls, output_dir: str, adapters: AdapterSet, config: RunConfig) -> RunDirectory:
-        """The newest run under ``output_dir`` when resuming (its config checked against
-        ``config``), else a new run directory with a unique name."""
+        """The newest run under ``output_dir`` when resuming, its config checked against
+        ``config`` and its newest verified checkpoint in ``resumed`` (or ``CheckpointError``),
+        else a new run directory with a unique name."""
         root = Path(output_dir).expanduser().resolve()
         if config.federation.resume:
             runs = sorted(p for p in root.glob("run-*") if (p / "adapters").is_dir()) if root.is_dir() else []
             if runs:
                 run = cls(runs[-1], adapters)
-                run.check_resumed_config(config)
+                changes = run.check_resumed_config(config)
+                run.resumed = run.last_checkpoint()
+                run.record_config_changes(changes)
                 return run
             log(INFO, "resume: no earlier run under %s, starting a new one", root)
         root.mkdir(parents=True, exist_ok=True)
@@ -93,10 +127,10 @@ class RunDirectory:
         (run.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
         return run
 
-    def check_resumed_config(self, config: RunConfig) -> None:
+    def check_resumed_config(self, config: RunConfig) -> dict[str, tuple]:
         """A resumed run must train what it trained before: a change to any key but rounds,
-        output, cadences and deadlines is one ``ConfigError`` naming every changed key; the
-        allowed changes are logged and appended to ``config_changes.jsonl``."""
+        output, cadences and deadlines is one ``ConfigError`` naming every changed key. Returns
+        the allowed changes, ``{key: (before, now)}``; it writes nothing."""
         saved_file = self.path / "config.json"
         try:
             saved = _flat(json.loads(saved_file.read_text()))
@@ -112,6 +146,10 @@ class RunDirectory:
                               "change on resume: start a new run (resume=false) to train with the new values".format(
                                   self.path, "; ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in forbidden),
                                   ", ".join(sorted(RESUMABLE_CHANGES))))
+        return changed
+
+    def record_config_changes(self, changed: dict[str, tuple]) -> None:
+        """Log the allowed changes and append them to ``config_changes.jsonl``."""
         if changed:
             log(INFO, "resume: config changes recorded: %s",
                 "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
@@ -120,20 +158,43 @@ class RunDirectory:
                              + "\n")
 
     def checkpoints(self) -> list[Path]:
-        """Saved round directories, oldest first."""
-        return sorted(p.parent for p in self.path.glob(f"adapters/round-*/{MANIFEST}"))
+        """Saved round directories, oldest first, verified or not (``load_state`` verifies)."""
+        found = [(int(m[1]), p) for p in self.path.glob("adapters/round-*") if (m := ROUND_DIR.fullmatch(p.name))]
+        return [p for _, p in sorted(found)]
 
-    def last_checkpoint(self) -> dict | None:
-        """The newest intact checkpoint's strategy state (a damaged one is skipped, with a warning)."""
+    def last_checkpoint(self) -> dict:
+        """The state of the newest checkpoint that verifies, to resume from (module docstring):
+        newer damaged ones are moved aside and ``metrics.jsonl`` is reconciled with it. With
+        none that verifies, a ``CheckpointError`` saying how to go on, and nothing changed."""
+        damaged: list[tuple[Path, CheckpointError]] = []
         for directory in reversed(self.checkpoints()):
             try:
                 state = load_state(directory)
             except CheckpointError as error:
-                log(WARNING, "resume: skipping a damaged checkpoint: %s", error)
+                damaged.append((directory, error))
                 continue
             self.reconcile_metrics(int(state["round"]), state["last_round"] or None)
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            for bad, error in damaged:
+                aside = bad.with_name(f"{bad.name}.damaged-{stamp}")
+                os.replace(bad, aside)
+                log(WARNING, "resume: %s failed verification (%s); moved aside to %s, its round runs again from "
+                    "%s", bad, error, aside, directory.name)
             return state
-        return None
+        raise CheckpointError(self._no_checkpoint(damaged))
+
+    def _no_checkpoint(self, damaged: list[tuple[Path, CheckpointError]]) -> str:
+        """Why resume cannot continue this run, and the ways on (a new run, from the adapter that loads)."""
+        why = ("; ".join(str(error) for _, error in damaged) if damaged
+               else f"no round was checkpointed ({self.path / 'adapters'} holds no round-NNNN)")
+        ways = f"start a new run instead: resume=false (a new run directory under {self.path.parent}) or a new output-dir"
+        loads = next((d / "policy" for d, _ in damaged if _loads_as_adapter(d / "policy")), None)
+        if loads:
+            ways += (f"; to start it from the adapter saved in {loads.parent.name}, whose policy adapter loads (its "
+                     f"files carry no hash: they parse), also set model.init_adapter={loads}; the nodes' privacy "
+                     "ledgers keep what this run spent")
+        return (f"resume: {self.path} has no checkpoint that verifies: {why}. Nothing in it was changed and no "
+                f"client trained; {ways}")
 
     def save(self, state: dict, final: bool) -> str:
         """Write the checkpoint of ``state`` (a strategy's ``state_dict()``) atomically; return

@@ -6,10 +6,11 @@ evaluate steps of ``workflow.RoundLoop`` (SecAgg+ through ``SecAggPlusWorkflow``
 the strategy only ever receives the securely aggregated update). Outputs go to a
 ``rundir.RunDirectory``.
 
-With ``resume = true`` it continues the newest run under ``output-dir`` from its newest intact
-checkpoint: the global adapter (exactly, from the float64 weights), the server optimizer, the
-privacy ledger and the exhausted clients are restored (``strategy.load_state_dict``), so no
-round is repeated or lost and epsilon keeps counting.
+With ``resume = true`` it continues the newest run under ``output-dir`` from its newest
+checkpoint that verifies: the global adapter (exactly, from the float64 weights), the server
+optimizer, the privacy ledger and the exhausted clients are restored
+(``strategy.load_state_dict``), so no round is repeated or lost and epsilon keeps counting.
+With no such checkpoint it refuses before any client trains and changes nothing (``rundir``).
 
 How a run ends:
 
@@ -64,8 +65,8 @@ def run_server(grid: Grid, context: Context) -> Path:
         client_level=client_level,
         frozen_weights=adapters.frozen_fingerprint, mask_seed=engine.trainer.seed,
     )
-    if federation.resume and (state := run.last_checkpoint()):
-        strategy.load_state_dict(state)
+    if run.resumed:
+        strategy.load_state_dict(run.resumed)
         log(INFO, "resume: %s continues after round %s from adapter %s", run.path, strategy.completed_round,
             fingerprint(strategy.global_arrays))
     log(INFO, "flwr-verl: run directory %s", run.path)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from flwr.app import Error
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-from flwr_verl.checkpoint import load_state
+from flwr_verl.checkpoint import CheckpointError, load_state
 from flwr_verl.client import NonFiniteUpdate, VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
 from flwr_verl.data import load_rows
@@ -297,10 +298,58 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_config, 
             round_one = [w.clone() for w in strategy.weights]
     tensors = run.path / "adapters" / "round-0002" / "server_state.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:-8] + b"\0" * 8)  # a torn write
-    state = RunDirectory(run.path, adapters).last_checkpoint()
-    assert state["round"] == 1 and all(torch.equal(a, b) for a, b in zip(state["weights"], round_one))
     with pytest.raises(Exception, match="does not match the recorded"):
         load_state(tensors.parent)
+    damaged = tree_digest(tensors.parent)
+    state = RunDirectory(run.path, adapters).last_checkpoint()
+    assert state["round"] == 1 and all(torch.equal(a, b) for a, b in zip(state["weights"], round_one))
+    # The damaged round is kept, byte for byte, out of the way of the round that runs again.
+    (aside,) = (run.path / "adapters").glob("round-0002.damaged-*")
+    assert tree_digest(aside) == damaged and not tensors.parent.exists()
+    assert [p.name for p in RunDirectory(run.path, adapters).checkpoints()] == ["round-0001"]
+
+
+def saved_run(tiny_config, path: Path, rounds: int) -> RunDirectory:
+    """A run directory with ``rounds`` checkpoints and their metrics, as a finished run leaves it."""
+    adapters = build_models(tiny_config().model, with_critic=False).adapters
+    strategy = strategy_for(adapters.get_arrays(), min_fit_clients=1)
+    proxy = InProcessClients.named(["0"]).proxies["0"]
+    run = RunDirectory(path, adapters)
+    run.append_metrics({"round": 0, "evaluate": {"reward": 0.5}})
+    for server_round in range(1, rounds + 1):
+        update = [np.full_like(a, 0.01 * server_round) for a in strategy.global_arrays]
+        strategy.aggregate_fit(server_round, [(proxy, fit_res(update, 8, report(0)))], [])
+        run.save(strategy.state_dict(), final=False)
+        run.append_metrics(strategy.state_dict()["last_round"])
+    return run
+
+
+def test_resume_with_no_checkpoint_that_verifies_refuses_and_changes_nothing(tiny_config, tmp_path):
+    """The only checkpoint's state is damaged and metrics.jsonl ends in a torn line: resume
+    refuses, names the file and the ways on (a new run, from the round-1 policy adapter, which
+    loads), and leaves every byte of the run directory as it was."""
+    run = saved_run(tiny_config, tmp_path / "run-z", rounds=1)
+    tensors = run.path / "adapters" / "round-0001" / "server_state.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    with open(run.path / "metrics.jsonl", "a") as handle:
+        handle.write('{"round": 2, "fi')
+    before = tree_digest(run.path)
+    with pytest.raises(CheckpointError) as error:
+        RunDirectory(run.path, run.adapters).last_checkpoint()
+    message = str(error.value)
+    for part in (f"resume: {run.path} has no checkpoint that verifies: {tensors}: sha256",
+                 "Nothing in it was changed and no client trained", "resume=false", "a new output-dir",
+                 f"model.init_adapter={run.path / 'adapters' / 'round-0001' / 'policy'}"):
+        assert part in message, message
+    assert tree_digest(run.path) == before
+    # No adapter that loads: no init_adapter to offer. No checkpoint at all: said so.
+    (run.path / "adapters" / "round-0001" / "policy" / "adapter_model.safetensors").write_bytes(b"{")
+    with pytest.raises(CheckpointError) as error:
+        RunDirectory(run.path, run.adapters).last_checkpoint()
+    assert "init_adapter" not in str(error.value)
+    shutil.rmtree(run.path / "adapters")
+    with pytest.raises(CheckpointError, match=r"no round was checkpointed \(.*adapters holds no round-NNNN\)"):
+        RunDirectory(run.path, run.adapters).last_checkpoint()
 
 
 def test_under_secagg_fewer_than_3_clients_stop_the_run_saying_how_to_go_on():
@@ -562,7 +611,7 @@ def test_resume_refuses_a_changed_model_or_privacy_config_naming_each_key(tmp_pa
     adapters = build_models(tiny_config().model, with_critic=False).adapters
     first = parse_run_config({"output-dir": str(tmp_path), "model.lora_alpha": 16.0})
     run = RunDirectory.create(str(tmp_path), adapters, first)
-    (run.path / "adapters").mkdir()
+    run.save(strategy_for(adapters.get_arrays()).state_dict(), final=False)
 
     def resume(**overrides) -> RunConfig:
         return parse_run_config({"output-dir": str(tmp_path), "resume": True, "model.lora_alpha": 16.0, **overrides})
@@ -574,8 +623,9 @@ def test_resume_refuses_a_changed_model_or_privacy_config_naming_each_key(tmp_pa
     for change in ("engine.model.lora_alpha 16.0 -> 64.0", "engine.model.lora_rank 8 -> 4",
                    "engine.privacy.noise_multiplier 0.65 -> 0.3"):
         assert change in message, message
+    assert not (run.path / "config_changes.jsonl").exists()
     resumed = RunDirectory.create(str(tmp_path), adapters, resume(**{"num-server-rounds": 12, "fit-timeout": 60.0}))
-    assert resumed.path == run.path
+    assert resumed.path == run.path and resumed.resumed["round"] == 0
     (change,) = [json.loads(line) for line in (run.path / "config_changes.jsonl").read_text().splitlines()]
     assert change["changes"]["federation.num_server_rounds"] == [8, 12]
 

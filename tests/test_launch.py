@@ -5,11 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from deploy.launch import MARKER, wait_for_line
-from deploy.simulation import isolated_env
+from deploy.launch import MARKER, free_port, wait_for_line
+from deploy.simulation import isolated_env, local_superlink_command, wait_healthy
 
 
 def spawn(script: str, log, append: bool = False) -> subprocess.Popen:
@@ -56,3 +57,43 @@ def test_isolated_env_gives_each_run_its_own_home_ports_and_ray_dir(tmp_path):
     assert first["FLWR_HOME"] == str((tmp_path / "a" / "flwr_home").resolve())
     assert first["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # Ray on loopback only
     assert first["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"  # offline
+
+
+def test_wait_healthy_has_a_deadline_that_names_the_command_and_the_log(tmp_path):
+    log = tmp_path / "superlink.log"
+    process = spawn("print('still starting'); import time; time.sleep(30)", log)
+    url = f"http://127.0.0.1:{free_port()}/health"  # nothing listens there
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"waiting for the slow SuperLink: {url} did not answer within 1 s; "
+                                               rf"see .*superlink\.log:\nstill starting"):
+            wait_healthy(url, process, 1, "the slow SuperLink", log)
+        assert time.monotonic() - started < 10
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(RuntimeError, match=r"waiting for the SuperLink: it exited with code 3"):
+        wait_healthy(url, spawn("raise SystemExit(3)", log), 60, "the SuperLink", log)
+
+
+def test_local_superlink_is_flowers_own_command_on_this_runs_home_and_ports(tmp_path, monkeypatch):
+    """The command Flower's CLI would run for this environment, captured where it spawns it (so a
+    Flower upgrade that changes it fails here)."""
+    import click
+    import flwr.cli.local_superlink as flower
+
+    env = isolated_env(tmp_path)
+    monkeypatch.setenv("FLWR_HOME", env["FLWR_HOME"])
+    monkeypatch.setattr(flower, "LOCAL_SUPERLINK_HTTP_API_PORT", env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
+    monkeypatch.setattr(flower, "LOCAL_CONTROL_API_ADDRESS", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}")
+    spawned = []
+
+    def popen(command, **kwargs):
+        spawned.append(command)
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(flower.subprocess, "Popen", popen)
+    with pytest.raises(click.ClickException):
+        flower._start_local_superlink()
+    ours = local_superlink_command(env)
+    assert Path(ours[0]).name == spawned[0][0] == "flower-superlink" and ours[1:] == spawned[0][1:]
