@@ -246,7 +246,7 @@ def rebuild_shipped(out_dir: Path = SHIPPED, recipe: dict[str, Any] | None = Non
         for stale in out_dir.iterdir():
             stale.unlink()
         for built in staging.iterdir():
-            shutil.copy2(built, out_dir / built.name)
+            shutil.copyfile(built, out_dir / built.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return new != old
