@@ -3,7 +3,7 @@ job emulated in process on it, with held-out accuracy measured on the tune split
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, batches of 64, 8 rounds of 10
 DP-GRPO iterations at noise multiplier 0.65 (epsilon about 7.2 at delta 1e-5), FedProx mu 0.01,
-``actor.lr`` 3e-3 unless ``--lr``. ``benchmarks/dp_utility.run`` emulates it (no Flower
+``actor.lr`` 3e-3 and ``rollout.n`` 4 unless ``--lrs`` / ``--ns``. ``benchmarks/dp_utility.run`` emulates it (no Flower
 transport; SecAgg+ changes the sum by less than 1e-4); every seed draws other DP noise and batches,
 as a fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
 
@@ -11,7 +11,7 @@ Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-star
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
 
-    python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --seeds 3
+    python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def build(builds: Path, recipe: dict) -> Path:
     return out
 
 
-def job_args(model_path: Path, lr: float) -> argparse.Namespace:
-    return argparse.Namespace(model_path=str(model_path), train_size=2048, train_batch_size=64,
+def job_args(model_path: Path, lr: float, n: int) -> argparse.Namespace:
+    return argparse.Namespace(model_path=str(model_path), rollout_n=n, train_size=2048, train_batch_size=64,
                               mini_batch_size=64, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
                               local_iterations=10, iterations=80, clients=3, proximal_mu=0.01)
 
@@ -60,9 +60,9 @@ def _one(task: tuple) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    name, model_path, lr, seed = task
-    result = run(job_args(Path(model_path), lr), None, seed, validation_problems(0, "tune"), fixed_noise=0.65)
-    return {"candidate": name, "lr": lr, **result}
+    name, model_path, lr, n, seed = task
+    result = run(job_args(Path(model_path), lr, n), None, seed, validation_problems(0, "tune"), fixed_noise=0.65)
+    return {"candidate": name, "lr": lr, "n": n, **result}
 
 
 def main() -> None:
@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--build-seeds", default="1234", help="comma-separated recipe seeds")
     parser.add_argument("--warm-start-lr", type=float, default=0.0, help="0: the recipe's")
     parser.add_argument("--lrs", default="3e-3", help="comma-separated actor.lr values of the job")
-    parser.add_argument("--seeds", type=int, default=3, help="job runs per candidate (other DP noise each)")
+    parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--builds", type=Path, default=RESULTS / "embedded_recipes")
     parser.add_argument("--out", type=Path, default=RESULTS / "embedded_recipe.json")
@@ -87,7 +88,8 @@ def main() -> None:
                 recipe["warm_start_lr"] = args.warm_start_lr
             path = build(args.builds, recipe)
             for lr in (float(x) for x in args.lrs.split(",")):
-                tasks += [(path.name, str(path), lr, seed) for seed in range(args.seeds)]
+                for n in (int(x) for x in args.ns.split(",")):
+                    tasks += [(path.name, str(path), lr, n, int(seed)) for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
     import multiprocessing
@@ -97,17 +99,17 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, task) for task in tasks]):
             r = future.result()
             runs.append(r)
-            print(f"{r['candidate']} lr {r['lr']:g} seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
+            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
                   f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
                   f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
-    print("candidate | actor.lr | round 0 | last round, median (range) | rise, median (range)")
+    print("candidate | actor.lr | rollout.n | round 0 | last round, median (range) | rise, median (range)")
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["candidate"], r["lr"]), []).append(r)
-    for (name, lr), items in sorted(groups.items()):
+        groups.setdefault((r["candidate"], r["lr"], r["n"]), []).append(r)
+    for (name, lr, n), items in sorted(groups.items()):
         finals = [r["final_reward"] for r in items]
         rises = [r["final_reward"] - r["initial_reward"] for r in items]
-        print(f"{name} | {lr:g} | {items[0]['initial_reward']:.3f} | {statistics.median(finals):.3f} "
+        print(f"{name} | {lr:g} | {n} | {items[0]['initial_reward']:.3f} | {statistics.median(finals):.3f} "
               f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.median(rises):+.3f} "
               f"({min(rises):+.3f} to {max(rises):+.3f})")
     previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
