@@ -87,6 +87,8 @@ def engine(args, *, private: bool, seed: int):
 
     lr = args.lr if private or not args.baseline_lr else args.baseline_lr
     return engine_config(
+        model={"path": str(getattr(args, "model_path", "") or "")},
+        rollout={"n": getattr(args, "rollout_n", 0) or 4},
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
         actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": lr,
                "ppo_epochs": args.ppo_epochs},
@@ -243,12 +245,15 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true", help="no non-private run (for sweeps)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for dp_utility.json and .png")
     parser.add_argument("--name", default="dp_utility", help="file name stem of the outputs")
+    parser.add_argument("--model-path", default="", help="base model directory ('': the embedded model)")
+    parser.add_argument("--eval-split", default="val", choices=("val", "tune"),
+                        help="the split evaluated on (tune: for choosing settings)")
     args = parser.parse_args()
 
     import torch
 
     torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size)
+    eval_rows = validation_problems(args.eval_size, args.eval_split)
 
     def report(result: dict) -> None:
         if result["noise_multiplier"] or result["fixed_noise"] is not None:

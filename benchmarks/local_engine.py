@@ -69,7 +69,7 @@ def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> d
     from flwr_verl.embedded import embedded_model_path
     from flwr_verl.trainer import LocalPPOTrainer
 
-    embedded_model_path()  # build the cached model now, if needed, not inside the measurement
+    embedded_model_path()  # check the shipped model's files now, not inside the measurement
     config = parse_run_config({**read_run_config(None, overrides), **VARIANTS[variant]}).engine
     rows = load_rows(config.data, "train", config.trainer.seed)
     imports_rss = rss()

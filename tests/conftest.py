@@ -1,5 +1,5 @@
 """Shared fixtures. One torch thread: on a shared 2-core machine it is the fastest for the tiny
-embedded model. The embedded model is built once and cached under $FLWR_VERL_CACHE."""
+embedded model. The embedded model ships with the package (flwr_verl/embedded_model)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def tiny_config():
 
 @pytest.fixture(scope="session")
 def model_path():
-    """The embedded model directory (built on first use, then cached)."""
+    """The embedded model directory (the shipped one, checked against its manifest)."""
     from flwr_verl.embedded import embedded_model_path
 
     return embedded_model_path()

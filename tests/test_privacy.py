@@ -1,7 +1,7 @@
 """DP-SGD through Opacus on the LoRA policy: per-unit gradients, clipping, noise, accounting.
 
-Offline and CPU-only: the embedded model (built once per machine and cached under
-``$FLWR_VERL_CACHE``) is loaded once for this module. Tests that change the adapter weights
+Offline and CPU-only: the embedded model (shipped with the package, ``flwr_verl/embedded_model``)
+is loaded once for this module. Tests that change the adapter weights
 get them restored afterwards, and every test checks that it left no Opacus hooks behind.
 """
 

@@ -1,0 +1,81 @@
+"""The default job, run for real several times: ``flwr run . --stream`` with pyproject.toml's
+config (3 simulated clients, 8 rounds, DP and SecAgg+), each run isolated (its own FLWR_HOME,
+SuperLink ports, Ray dir; ``deploy/simulation.py``) and importing this checkout's flwr_verl.
+
+Every run draws fresh DP noise and batches (``privacy.deterministic`` is off, as in production),
+so the curve differs from run to run: reported are each run's held-out accuracy by round, and the
+median and range of round 0, the last round and the rise over ``--runs`` runs.
+
+    python benchmarks/default_job.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
+
+ROUND_ZERO = re.compile(r"round 0/\d+: held-out accuracy ([0-9.]+)")
+ROUND = re.compile(r"round (\d+)/\d+: .*?held-out accuracy ([0-9.]+)")
+EPSILON = re.compile(r"epsilon ([0-9.]+)")
+
+
+def one_run(root: Path, timeout: float) -> dict:
+    env = isolated_env(root)
+    env["PYTHONPATH"] = str(REPO)  # the app's FAB holds no weights: the shipped model is found here
+    started = time.perf_counter()
+    try:
+        done = flwr_run_simulation(env, root, {}, num_supernodes=3, timeout=timeout)
+    finally:
+        kill_tree_with_env(env["FLWR_HOME"])
+    log = done.stdout + done.stderr
+    (root / "flwr_run.log").write_text(log)
+    curve = {0: float(m.group(1)) for m in ROUND_ZERO.finditer(log)}
+    for m in ROUND.finditer(log):
+        curve.setdefault(int(m.group(1)), float(m.group(2)))
+    rounds = [curve[r] for r in sorted(curve)]
+    if len(rounds) < 2:
+        raise RuntimeError(f"no held-out accuracy in the run's output; see {root / 'flwr_run.log'}")
+    epsilons = [float(e) for e in EPSILON.findall(log)]
+    return {"accuracy_per_round": rounds, "epsilon": epsilons[-1] if epsilons else None,
+            "seconds": time.perf_counter() - started, "log": str(root / "flwr_run.log")}
+
+
+def spread(values: list[float], signed: bool = False) -> str:
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(statistics.median(values))} ({f.format(min(values))} to {f.format(max(values))})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "default_job.json")
+    args = parser.parse_args()
+    runs = []
+    for index in range(args.runs):
+        root = Path(tempfile.mkdtemp(prefix=f"default-job-{index}-"))
+        runs.append(one_run(root, args.timeout))
+        r = runs[-1]
+        print(f"run {index + 1}: held-out accuracy by round {' '.join(f'{a:.3f}' for a in r['accuracy_per_round'])}; "
+              f"epsilon {r['epsilon']}; {r['seconds']:.0f} s", flush=True)
+    first = [r["accuracy_per_round"][0] for r in runs]
+    last = [r["accuracy_per_round"][-1] for r in runs]
+    rise = [b - a for a, b in zip(first, last)]
+    print(f"{args.runs} runs: round 0 {spread(first)}, last round {spread(last)}, rise {spread(rise, True)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Choosing the embedded model's recipe on the tune split: each candidate build, then the default
+job emulated in process on it, with held-out accuracy measured on the tune split only.
+
+The default job (``pyproject.toml``): 3 clients x 2048 prompts, batches of 64, 8 rounds of 10
+DP-GRPO iterations at noise multiplier 0.65 (epsilon about 7.2 at delta 1e-5), FedProx mu 0.01,
+``actor.lr`` 3e-3 and ``rollout.n`` 4 unless ``--lrs`` / ``--ns``. ``benchmarks/dp_utility.run`` emulates it (no Flower
+transport; SecAgg+ changes the sum by less than 1e-4); every seed draws other DP noise and batches,
+as a fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
+
+Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
+``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
+``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
+
+    python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flwr_verl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from dp_utility import RESULTS, run, validation_problems  # noqa: E402
+
+
+def candidate_dir(builds: Path, recipe: dict) -> Path:
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return builds / f"steps{recipe['warm_start_steps']}-seed{recipe['seed']}-lr{recipe['warm_start_lr']:g}-{digest}"
+
+
+def build(builds: Path, recipe: dict) -> Path:
+    from flwr_verl import embedded
+
+    out = candidate_dir(builds, recipe)
+    if not (out / "model.safetensors").exists():
+        staging = out.with_name(out.name + ".partial")
+        staging.mkdir(parents=True, exist_ok=True)
+        embedded.build_embedded_model(staging, recipe)
+        staging.rename(out)
+    return out
+
+
+def job_args(model_path: Path, lr: float, n: int) -> argparse.Namespace:
+    return argparse.Namespace(model_path=str(model_path), rollout_n=n, train_size=2048, train_batch_size=64,
+                              mini_batch_size=64, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
+                              local_iterations=10, iterations=80, clients=3, proximal_mu=0.01)
+
+
+def _one(task: tuple) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    name, model_path, lr, n, seed = task
+    result = run(job_args(Path(model_path), lr, n), None, seed, validation_problems(0, "tune"), fixed_noise=0.65)
+    return {"candidate": name, "lr": lr, "n": n, **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default="235", help="comma-separated warm-start step counts")
+    parser.add_argument("--build-seeds", default="1234", help="comma-separated recipe seeds")
+    parser.add_argument("--warm-start-lr", type=float, default=0.0, help="0: the recipe's")
+    parser.add_argument("--lrs", default="3e-3", help="comma-separated actor.lr values of the job")
+    parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--builds", type=Path, default=RESULTS / "embedded_recipes")
+    parser.add_argument("--out", type=Path, default=RESULTS / "embedded_recipe.json")
+    args = parser.parse_args()
+
+    from flwr_verl import embedded
+
+    tasks = []
+    for steps in (int(s) for s in args.steps.split(",")):
+        for build_seed in (int(s) for s in args.build_seeds.split(",")):
+            recipe = {**embedded.RECIPE, "warm_start_steps": steps, "seed": build_seed}
+            if args.warm_start_lr:
+                recipe["warm_start_lr"] = args.warm_start_lr
+            path = build(args.builds, recipe)
+            for lr in (float(x) for x in args.lrs.split(",")):
+                for n in (int(x) for x in args.ns.split(",")):
+                    tasks += [(path.name, str(path), lr, n, int(seed)) for seed in args.seeds.split(",")]
+    started = time.perf_counter()
+    runs = []
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for future in as_completed([pool.submit(_one, task) for task in tasks]):
+            r = future.result()
+            runs.append(r)
+            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
+                  f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
+                  f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
+    print("candidate | actor.lr | rollout.n | round 0 | last round, median (range) | rise, median (range)")
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["candidate"], r["lr"], r["n"]), []).append(r)
+    for (name, lr, n), items in sorted(groups.items()):
+        finals = [r["final_reward"] for r in items]
+        rises = [r["final_reward"] - r["initial_reward"] for r in items]
+        print(f"{name} | {lr:g} | {n} | {items[0]['initial_reward']:.3f} | {statistics.median(finals):.3f} "
+              f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.median(rises):+.3f} "
+              f"({min(rises):+.3f} to {max(rises):+.3f})")
+    previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": previous + runs, "seconds": time.perf_counter() - started}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
