@@ -376,7 +376,9 @@ class VerlClient(NumPyClient):
         result = self.trainer.evaluate(self.val_rows)
         if result is None:
             return 0.0, 0, preflight
-        return result.loss, len(self.val_rows), {**result.to_metrics(), **preflight}
+        # The held-out count is this node's data size too: it leaves as the training count does.
+        weight = reported_num_examples(self.config.privacy.num_examples, len(self.val_rows))
+        return result.loss, weight, {**result.to_metrics(), **preflight}
 
     def _client_level_plan(self, parameters: list[np.ndarray], instructions: FitConfig) -> SkellamPlan:
         """The round's ``distributed_dp.SkellamPlan``, known before training (the update has the
