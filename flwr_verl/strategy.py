@@ -510,6 +510,8 @@ class FedProxAdapters(Strategy):
         """Stop sampling the nodes whose failure is a refusal for their privacy budget; return them."""
         refused = refused_nodes(messages)
         for cid, message in refused.items():
+            if cid not in self.exhausted:
+                log(INFO, "privacy budget: %s; not sampled again", message)
             self.exhausted.setdefault(cid, message)
         return refused
 
