@@ -1,6 +1,6 @@
 """What the server checks of what a node sends, assuming the node may lie: the unmasked aggregate
 against what honest clients can send, robust aggregation in the clear, one node per client-id,
-and exactly which entries each node's messages carry (the README's security section lists them)."""
+and exactly which entries each node's messages carry (docs/security.md lists them)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from flwr_verl.protocol import (
 )
 from flwr_verl.strategy import FedProxAdapters, PreflightFailed, RoundFailed
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 
 
 def fit_res(update, num_examples: int, partition_id: int) -> FitRes:
@@ -77,7 +77,7 @@ def test_under_client_level_dp_an_aggregate_longer_than_honest_clients_can_send_
     norm bound (``distributed_dp.feasible_mean_norm``); one that adds a quarter of the modular
     range to its integers after its own clipping (what an unclipped or NaN update becomes) makes
     the round fail, and the global adapter stays. A shift below the noise's spread passes: the
-    README's security section says so."""
+    docs/security.md says so."""
     config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True,
                                   "client_level.enabled": True, "client_level.clip_norm": 0.05,
                                   "client_level.noise_multiplier": 0.8},
@@ -170,7 +170,7 @@ def test_what_the_server_sees_from_a_node_under_dp_is_exactly_the_readmes_list(t
                                                                               sent_num_examples):
     """Every entry a DP node's replies carry by default (``privacy.metrics`` "auto" sends no
     training metrics), by the weight it sends: never its budget, account history or data size
-    (the bucketed weight of 30 prompts is 32; "fixed" sends 1). The README's security section
+    (the bucketed weight of 30 prompts is 32; "fixed" sends 1). docs/security.md
     names each entry, so the list cannot drift from the code."""
     config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "num_examples": weights,
                                   "epsilon_budget": 50.0})
@@ -188,8 +188,8 @@ def test_what_the_server_sees_from_a_node_under_dp_is_exactly_the_readmes_list(t
     assert num_examples == sent_num_examples and evaluated == {"exact": 5, "bucketed": 8, "fixed": 1}[weights]
     assert not any(re.search(r"budget|history|sample_rate|num_prompts|account", key) for key in fit_metrics)
 
-    section = README.read_text().split("## Security", 1)[1].split("\n## ", 1)[0]
+    section = SECURITY_DOC.read_text().split("\n## ", 1)[0]  # the page up to its first subsection
     documented = set(re.findall(r"`([a-z_.]+)`", section))
     missing = (FIT_REPLY | EXACT_ONLY | PREFLIGHT_REPLY | EVALUATE_REPLY) - documented
-    assert not missing, f"README's security section does not name {sorted(missing)}"
+    assert not missing, f"docs/security.md does not name {sorted(missing)}"
 
