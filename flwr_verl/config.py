@@ -430,8 +430,29 @@ class TrainerConfig:
 # The stages of the RLHF pipeline, each a local objective on LoRA adapters (``flwr_verl.stages``):
 # policy: verl's PPO family against the rule reward or a learned reward model (reward_model.*);
 # reward_model: a reward model learned from preference pairs (Bradley-Terry, ``flwr_verl.preference``);
-# sft: supervised fine-tuning of the policy on (prompt, response) pairs (``flwr_verl.sft``).
-STAGES = ("policy", "reward_model", "sft")
+# sft: supervised fine-tuning of the policy on (prompt, response) pairs (``flwr_verl.sft``);
+# dpo: direct preference optimisation of the policy on preference pairs (``flwr_verl.dpo``).
+STAGES = ("policy", "reward_model", "sft", "dpo")
+DPO_LOSS_NAMES = ("sigmoid", "ipo", "cdpo", "robust")  # ``dpo.DPO_LOSSES``' keys (a test keeps them equal)
+LABEL_SMOOTHED_DPO_LOSSES = ("cdpo", "robust")
+
+
+@dataclass
+class DPOConfig:
+    """Stage ``dpo``: ``beta`` (the KL weight: DPO's temperature, IPO's tau), ``loss`` and, for
+    the label-smoothed losses, ``label_smoothing`` (the share of pairs assumed flipped)."""
+
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.beta) and self.beta > 0, "dpo.beta", self.beta, "must be a number > 0")
+        require(self.loss in DPO_LOSS_NAMES, "dpo.loss", self.loss, f"allowed: {', '.join(DPO_LOSS_NAMES)}")
+        require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+        require(self.label_smoothing == 0 or self.loss in LABEL_SMOOTHED_DPO_LOSSES, "dpo.label_smoothing",
+                self.label_smoothing, f"must be 0 with dpo.loss={self.loss!r}; it applies to "
+                f"{', '.join(LABEL_SMOOTHED_DPO_LOSSES)}")
 
 
 @dataclass(frozen=True)
@@ -466,7 +487,7 @@ class LocalBudget:
 @dataclass
 class EngineConfig:
     """Everything one client's local RL engine needs. ``stage`` picks the local objective; under
-    ``reward_model`` the data files are preference pairs, under ``sft`` (prompt, response) pairs,
+    ``reward_model`` and ``dpo`` the data files are preference pairs, under ``sft`` (prompt, response) pairs,
     and ``actor``'s optimizer keys (lr, weight_decay, grad_clip, ppo_epochs, ppo_mini_batch_size)
     configure that stage's update."""
 
@@ -482,6 +503,7 @@ class EngineConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     stage: str = "policy"
     deidentify: DeidentifyConfig = field(default_factory=DeidentifyConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def __post_init__(self) -> None:
         require(self.stage in STAGES, "stage", self.stage, f"allowed: {', '.join(STAGES)}")
@@ -489,6 +511,8 @@ class EngineConfig:
                 self.reward_model.enable, "must be false under stage='reward_model' (that stage trains one)")
         require(not (self.stage == "sft" and self.reward_model.enable), "reward_model.enable", self.reward_model.enable,
                 "must be false under stage='sft' (it learns from reference responses, not from a reward)")
+        require(not (self.stage == "dpo" and self.reward_model.enable), "reward_model.enable", self.reward_model.enable,
+                "must be false under stage='dpo' (it learns from preference pairs, not from a reward)")
         require(not (self.stage == "reward_model" and self.model.init_adapter), "model.init_adapter",
                 self.model.init_adapter, "must be empty under stage='reward_model' (it starts the policy: stages "
                 "policy and sft)")

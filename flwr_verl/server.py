@@ -94,8 +94,9 @@ def run_server(grid: Grid, context: Context) -> Path:
     if engine.stage == "reward_model":  # stage 1's product: what a policy stage's reward_model.model.path takes
         merged = export_reward_model(run.path, engine.model)
         log(INFO, "flwr-verl: merged reward model in %s (use it as reward_model.model.path)", merged)
-    if engine.stage == "sft":  # stage 0's product: what a later stage's model.init_adapter takes
-        log(INFO, "flwr-verl: SFT adapter in %s (use it as model.init_adapter)", run.path / "adapters" / "final" / "policy")
+    if engine.stage in ("sft", "dpo"):  # a policy: what a later stage's model.init_adapter takes
+        log(INFO, "flwr-verl: %s adapter in %s (use it as model.init_adapter)", engine.stage.upper(),
+            run.path / "adapters" / "final" / "policy")
     log(INFO, "flwr-verl: finished; %s; outputs in %s", summary(run.records()), run.path)
     return run.path
 

@@ -134,12 +134,11 @@ def load_units(config: DataConfig, split: str, seed: int, partition_id: int = 0,
 
 
 # ----------------------------------------------------------------------------- sequences
-def response_sequences(units: list[SFTUnit], tokenizer, max_prompt_length: int) -> list[tuple[list[int], int]]:
-    """Every example of ``units`` (``SFTUnit.examples``: its earlier turns and responses, unit by
-    unit) as (token ids, prompt length): the prompt as the rollout encodes it
-    (``data.prompt_text``, cut from the left to ``max_prompt_length`` tokens), then the
-    response's tokens and EOS."""
-    examples = [example for unit in units for example in unit.examples()]
+def response_sequences(examples: list[tuple[list[dict], str]], tokenizer,
+                       max_prompt_length: int) -> list[tuple[list[int], int]]:
+    """Each (prompt messages, response) of ``examples`` as (token ids, prompt length): the prompt
+    as the rollout encodes it (``data.prompt_text``, cut from the left to ``max_prompt_length``
+    tokens), then the response's tokens and EOS."""
     tokenizer.truncation_side = "left"  # as rollout.generate: keep the end of an overlong prompt
     prompts = tokenizer([prompt_text({"prompt": messages}, tokenizer) for messages, _ in examples],
                         add_special_tokens=False, truncation=True, max_length=max_prompt_length)["input_ids"]
@@ -160,8 +159,11 @@ class ResponseBatch:
     num_units: int
 
 
-def response_batch(units: list[SFTUnit], tokenizer, max_prompt_length: int, device: torch.device) -> ResponseBatch:
-    sequences = response_sequences(units, tokenizer, max_prompt_length)
+def response_batch(examples: list[tuple[list[dict], str]], unit_of_row: list[int], num_units: int, tokenizer,
+                   max_prompt_length: int, device: torch.device) -> ResponseBatch:
+    """``examples`` (prompt messages, response), one row each, right-padded; row i belongs to
+    unit ``unit_of_row[i]``."""
+    sequences = response_sequences(examples, tokenizer, max_prompt_length)
     shape = (len(sequences), max(len(ids) for ids, _ in sequences))
     input_ids = torch.full(shape, tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
@@ -170,18 +172,31 @@ def response_batch(units: list[SFTUnit], tokenizer, max_prompt_length: int, devi
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
         loss_mask[row, prompt_length: len(ids)] = 1
-    unit_of_row = torch.tensor([index for index, unit in enumerate(units) for _ in unit.examples()])
     return ResponseBatch(input_ids.to(device), attention_mask.to(device),
                          compute_position_id_with_mask(attention_mask).to(device), loss_mask.to(device),
-                         unit_of_row.to(device), len(units))
+                         torch.tensor(unit_of_row, device=device), num_units)
+
+
+def unit_batch(units: list[SFTUnit], tokenizer, max_prompt_length: int, device: torch.device) -> ResponseBatch:
+    """Every example of ``units`` (``SFTUnit.examples``: its earlier turns and responses), unit by unit."""
+    examples = [(i, example) for i, unit in enumerate(units) for example in unit.examples()]
+    return response_batch([e for _, e in examples], [i for i, _ in examples], len(units), tokenizer,
+                          max_prompt_length, device)
+
+
+def response_log_probs(model: torch.nn.Module, batch: ResponseBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-probability of each next token, (R, T - 1), and the mask of its response
+    tokens and EOS, (R, T - 1), as floats: position t predicts token t + 1."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids).logits[:, :-1]
+    log_prob = verl_F.logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    return log_prob, batch.loss_mask[:, 1:].to(log_prob)
 
 
 def response_nll(model: torch.nn.Module, batch: ResponseBatch) -> torch.Tensor:
     """Each row's mean negative log-likelihood of its response tokens and EOS: (R,)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids).logits[:, :-1]  # position t predicts token t + 1
-    log_prob = verl_F.logprobs_from_logits(logits, batch.input_ids[:, 1:])
-    return -verl_F.masked_mean(log_prob, batch.loss_mask[:, 1:].to(log_prob), axis=-1)
+    log_prob, mask = response_log_probs(model, batch)
+    return -verl_F.masked_mean(log_prob, mask, axis=-1)
 
 
 def sft_loss(per_response: torch.Tensor, unit_of_row: torch.Tensor, num_units: int) -> torch.Tensor:
@@ -199,7 +214,8 @@ def check_unit_lengths(config: EngineConfig, models: Models, units: list[SFTUnit
         return
     check_lengths(config, models, [unit.prompt_row for unit in units])
     limit = getattr(models.policy.config, "max_position_embeddings", None)
-    lengths = [len(ids) for ids, _ in response_sequences(units, models.tokenizer, config.data.max_prompt_length)]
+    examples = [example for unit in units for example in unit.examples()]
+    lengths = [len(ids) for ids, _ in response_sequences(examples, models.tokenizer, config.data.max_prompt_length)]
     if limit is not None and max(lengths) > limit:
         raise ConfigError(f"data.max_prompt_length={config.data.max_prompt_length}: a prompt (cut to that many tokens) "
                           f"plus its response and EOS takes {max(lengths)} tokens, more than the model's {limit} "
@@ -218,7 +234,7 @@ class LocalSFTTrainer(UnitTrainer):
         self.tokenizer = models.tokenizer
 
     def _batch(self, units: list[SFTUnit]) -> ResponseBatch:
-        return response_batch(units, self.tokenizer, self.config.data.max_prompt_length, self.models.device)
+        return unit_batch(units, self.tokenizer, self.config.data.max_prompt_length, self.models.device)
 
     def unit_loss(self, units: list[SFTUnit]) -> UnitLoss:
         batch = self._batch(units)

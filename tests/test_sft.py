@@ -13,7 +13,7 @@ from flwr_verl.config import ConfigError, parse_run_config
 from flwr_verl.data import DataError
 from flwr_verl.inprocess import InProcessClients, evaluate_round, fit_round
 from flwr_verl.rundir import RunDirectory
-from flwr_verl.sft import LocalSFTTrainer, SFTUnit, load_sft_files, load_units, response_batch
+from flwr_verl.sft import LocalSFTTrainer, SFTUnit, load_sft_files, load_units, unit_batch
 from flwr_verl.stages import build_stage_models
 from flwr_verl.strategy import FedProxAdapters
 from tests.unit_independence import assert_units_are_independent
@@ -101,7 +101,7 @@ def test_every_assistant_turn_of_a_conversation_is_scored_and_nothing_else(tmp_p
     [unit] = load_sft_files(str(path))
     assert unit.prompt == MULTI_TURN[:3] and unit.responses == ["19"]
     assert unit.earlier_turns == [(MULTI_TURN[:1], "2")]
-    batch = response_batch([unit], models.tokenizer, 256, models.device)
+    batch = unit_batch([unit], models.tokenizer, 256, models.device)
     eos = [models.tokenizer.eos_token_id]
     scored = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.loss_mask)]
     assert scored == [models.tokenizer(turn, add_special_tokens=False)["input_ids"] + eos for turn in ("2", "19")]
@@ -140,7 +140,7 @@ def test_the_loss_reads_response_tokens_only(models):
     """Changing the prompt's tokens changes what conditions the response, never which tokens are
     scored: the mask covers the response and EOS, exactly."""
     unit = SFTUnit("t", [{"role": "user", "content": "12+7="}], ["19"])
-    batch = response_batch([unit], models.tokenizer, 256, models.device)
+    batch = unit_batch([unit], models.tokenizer, 256, models.device)
     scored = batch.input_ids[0][batch.loss_mask[0].bool()].tolist()
     assert scored == models.tokenizer("19", add_special_tokens=False)["input_ids"] + [models.tokenizer.eos_token_id]
 
