@@ -7,8 +7,8 @@ failed with one ERROR line naming the problem, instead of a traceback.
 from flwr.app import Context
 from flwr.server import Grid, ServerApp
 
-from flwr_verl.mods import install_concise_errors
-from flwr_verl.server import run_server
+from flwr_verl.federation.mods import install_concise_errors
+from flwr_verl.federation.server import run_server
 
 install_concise_errors()
 app = ServerApp()

@@ -1,4 +1,4 @@
-"""Does the one-run privacy audit (``flwr_verl.audit``) have power? Five settings, same canaries.
+"""Does the one-run privacy audit (``flwr_verl.privacy.audit``) have power? Five settings, same canaries.
 
 * ``no_dp``: privacy off. An audit with power bounds epsilon clearly above 0 here (at least 1).
 * ``broken``: a deliberately broken DP mechanism: the DP optimizer clips at 1e6 and adds no
@@ -48,8 +48,8 @@ SMALL = {
 
 def audit_small(privacy: dict, *, local_iterations: int, rounds: int, canaries: int, guesses: int, seed: int,
                 kind: str = "gradient"):
-    from flwr_verl.audit import AuditConfig, run_audit
     from flwr_verl.config import FederationConfig, engine_config
+    from flwr_verl.tools.audit import AuditConfig, run_audit
 
     engine = engine_config(privacy=privacy, trainer={"local_iterations": local_iterations}, **SMALL)
     federation = dataclasses.replace(FederationConfig(), num_server_rounds=rounds)
@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from flwr_verl.audit import broken_mechanism
+    from flwr_verl.tools.audit import broken_mechanism
 
     torch.set_num_threads(1)
     settings = {

@@ -1,4 +1,4 @@
-"""What client-level DP with distributed Skellam noise costs (``flwr_verl.distributed_dp``).
+"""What client-level DP with distributed Skellam noise costs (``flwr_verl.privacy.distributed_dp``).
 
 Two measurements, each printed and written to ``--out/client_level_dp.json``:
 
@@ -45,8 +45,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's flwr_verl, before any installed copy
 
-from flwr_verl import distributed_dp as ddp  # noqa: E402
 from flwr_verl.config import ClientLevelConfig  # noqa: E402
+from flwr_verl.privacy import distributed_dp as ddp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THRESHOLD = 2  # secagg.reconstruction-threshold's default
@@ -140,13 +140,13 @@ def utility(args) -> dict:
     import torch
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.models import build_models
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from dp_utility import validation_problems

@@ -1,4 +1,4 @@
-"""Sparse uploads (``compression.density``, ``flwr_verl/compression.py``): held-out accuracy
+"""Sparse uploads (``compression.density``, ``flwr_verl/federation/compression.py``): held-out accuracy
 against rounds, and bytes uploaded, at densities 1, 0.25 and 0.05, under DP at epsilon 8.
 
 At density d < 1 every client sends the same round-seeded d share of the adapter's coordinates
@@ -43,13 +43,13 @@ SECAGG_BYTES_PER_COORDINATE = 8  # Flower 1.42's SecAgg+ masks and sends int64 w
 def run(args, density: float, seed: int, eval_rows: list[dict]) -> dict:
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import CompressionConfig, FederationConfig, SecAggConfig, engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.models import build_models
-    from flwr_verl.protocol import FitReport, SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import FitReport, SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = engine_config(
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},

@@ -1,4 +1,4 @@
-"""Cost of generation-time de-identification (``flwr_verl.deidentify``, MemFree decoding).
+"""Cost of generation-time de-identification (``flwr_verl.privacy.deidentify``, MemFree decoding).
 
 Rollout generation (``rollout.generate``, sampled, as in training) is timed with and without the
 filter on the same prompts, side by side, alternating the order every repeat; the figure is the
@@ -42,8 +42,8 @@ clock = CLOCKS["wall"]
 
 def embedded_workload():
     from flwr_verl.config import engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.models import build_models
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
 
     config = engine_config(privacy={"enabled": False})
     models = build_models(config.model, with_critic=False)
@@ -84,8 +84,8 @@ def measure(name: str, workload, repeats: int, warmup: int) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
-    from flwr_verl.deidentify import NoVerbatimNgrams, ProtectedNgrams
-    from flwr_verl.rollout import generate
+    from flwr_verl.engine.rollout import generate
+    from flwr_verl.privacy.deidentify import NoVerbatimNgrams, ProtectedNgrams
 
     policy, tokenizer, rows, config, texts, _ = workload()
     start = time.perf_counter()

@@ -57,8 +57,8 @@ def setup(seed: int = 0):
     import torch
 
     from flwr_verl.config import FederationConfig, engine_config
-    from flwr_verl.data import task_rows
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.data import task_rows
+    from flwr_verl.engine.trainer import LocalPPOTrainer
 
     config = engine_config(privacy={"deterministic": True})
     rows = task_rows(config.data.task, config.data.train_size, seed=seed, split="train")

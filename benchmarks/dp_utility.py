@@ -1,7 +1,7 @@
 """What differential privacy costs in reward: the embedded task at epsilon 1, 3, 8 and without DP.
 
 The default federated run is emulated in one process, without Flower's transport: ``--clients``
-clients (3), each with its own share of the prompts (``flwr_verl.data.load_rows``, iid), run
+clients (3), each with its own share of the prompts (``flwr_verl.engine.data.load_rows``, iid), run
 ``--local-iterations`` (10) RL iterations per round from the global adapter, with FedProx's
 term (``--proximal-mu``), and the server averages their updates (FedAvg, server learning rate 1)
 for ``--iterations / --local-iterations`` rounds. This is what the ClientApp and ServerApp do,
@@ -102,10 +102,10 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
     gives the noise multiplier directly."""
     import numpy as np
 
-    from flwr_verl.data import load_rows
-    from flwr_verl.models import build_models
-    from flwr_verl.privacy import PrivacyAccount, noise_for_target_epsilon, sample_rate
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.engine.trainer import LocalPPOTrainer
+    from flwr_verl.privacy.dpsgd import PrivacyAccount, noise_for_target_epsilon, sample_rate
 
     private = target_epsilon is not None or fixed_noise is not None
     config = engine(args, private=private, seed=seed)

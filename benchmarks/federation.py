@@ -55,16 +55,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # federation_wire (Opacus ships a package named "benchmarks")
 
 import torch  # noqa: E402
+from federation_wire import bytes_per_message, measure_wire  # noqa: E402
 
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
-from federation_wire import bytes_per_message, measure_wire  # noqa: E402
-from flwr_verl.client import VerlClient  # noqa: E402
 from flwr_verl.config import RunConfig, parse_run_config  # noqa: E402
-from flwr_verl.data import Row, load_rows  # noqa: E402
-from flwr_verl.inprocess import InProcessClients, fit_round  # noqa: E402
-from flwr_verl.models import build_models  # noqa: E402
-from flwr_verl.strategy import FedProxAdapters  # noqa: E402
-from flwr_verl.trainer import LocalPPOTrainer  # noqa: E402
+from flwr_verl.engine.data import Row, load_rows  # noqa: E402
+from flwr_verl.engine.models import build_models  # noqa: E402
+from flwr_verl.engine.trainer import LocalPPOTrainer  # noqa: E402
+from flwr_verl.federation.client import VerlClient  # noqa: E402
+from flwr_verl.federation.inprocess import InProcessClients, fit_round  # noqa: E402
+from flwr_verl.federation.strategy import FedProxAdapters  # noqa: E402
 
 CLIENTS = 3
 ARMS = ("federated", "centralized_same_steps", "centralized_3x_steps")

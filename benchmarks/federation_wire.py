@@ -1,6 +1,6 @@
 """Bytes on the wire: the app's real messages, serialized as Flower serializes them.
 
-``measure_wire(run_config)`` runs the bundled ServerApp (``flwr_verl.server.run_server``) and
+``measure_wire(run_config)`` runs the bundled ServerApp (``flwr_verl.federation.server.run_server``) and
 ClientApp (``apps.client_app.app``, with its mods: SecAgg+ included) in this process, over a
 ``LoopbackGrid`` that hands each message straight to the destination node's ClientApp and its
 reply straight back. Every message both ways is serialized with Flower's own protobuf serde
@@ -30,13 +30,13 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from flwr_verl.wire import stage_of
-from flwr_verl.wire import wire_bytes as transported_bytes
+from flwr_verl.federation.wire import stage_of
+from flwr_verl.federation.wire import wire_bytes as transported_bytes
 
 
 def wire_bytes(message: Message) -> tuple[int, int]:
     """Size of ``message`` as Flower's protobuf serde writes it, and as Flower 1.42 actually
-    transports it (``flwr_verl.wire.wire_bytes``: the sum of its deflated objects, each pushed
+    transports it (``flwr_verl.federation.wire.wire_bytes``: the sum of its deflated objects, each pushed
     to the SuperLink's object store separately)."""
     return len(message_to_proto(message).SerializeToString()), transported_bytes(message)
 
@@ -100,7 +100,7 @@ def measure_wire(run_config: dict, num_clients: int, grid_class: type[LoopbackGr
     """Run the app's server and clients over a ``grid_class`` grid; return its traffic record and
     the run's ``metrics.jsonl`` records (whose ``wire`` entries the server measured itself)."""
     from apps.client_app import app as client_app
-    from flwr_verl.server import run_server
+    from flwr_verl.federation.server import run_server
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # a ServerApp process is told these; Message() reads them
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +150,7 @@ def main() -> None:
     import argparse
 
     from flwr_verl.config import parse_run_config
-    from flwr_verl.models import build_models
+    from flwr_verl.engine.models import build_models
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

@@ -32,12 +32,12 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
     import torch
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.protocol import EvaluateConfig, FitReport, SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import EvaluateConfig, FitReport, SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = engine_config(model={"device": device, "dtype": dtype},
                            privacy={"enabled": privacy, "deterministic": True, "metrics": "clear"},

@@ -34,12 +34,12 @@ ARMS = {  # name: (local-iterations per node, aggregation)
 
 
 def run(args, arm: str, seed: int, eval_rows: list[dict]) -> dict:
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, LocalBudget, SecAggConfig, engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.models import build_models
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     budgets, aggregation = ARMS[arm]
     config = engine_config(

@@ -1,4 +1,4 @@
-"""Import cost of the engine: wall time, CPU time and peak RSS of ``import flwr_verl.client``
+"""Import cost of the engine: wall time, CPU time and peak RSS of ``import flwr_verl.federation.client``
 (the ClientApp's engine: client, trainer, rollout, rewards, verl) in fresh processes, and which
 heavy modules it pulled in. CPU time (user + system) depends less on other jobs' load than wall
 time does.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MODULE = "flwr_verl.client"
+MODULE = "flwr_verl.federation.client"
 HEAVY = ("opacus", "ray", "pandas", "datasets", "fastapi", "uvicorn", "torchdata", "pydantic", "aiohttp",
          "verl.trainer.ppo.ray_trainer", "verl.workers.reward_manager")
 PROBE = f"""

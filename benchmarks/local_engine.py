@@ -63,11 +63,11 @@ def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> d
     start_rss = rss()
     import torch
 
-    from flwr_verl.baseline import read_run_config
     from flwr_verl.config import parse_run_config
-    from flwr_verl.data import load_rows
     from flwr_verl.embedded import embedded_model_path
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.trainer import LocalPPOTrainer
+    from flwr_verl.tools.baseline import read_run_config
 
     embedded_model_path()  # check the shipped model's files now, not inside the measurement
     config = parse_run_config({**read_run_config(None, overrides), **VARIANTS[variant]}).engine
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "local_engine.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    overrides = args.set  # parsed in the child, as flwr_verl.baseline parses --set
+    overrides = args.set  # parsed in the child, as flwr_verl.tools.baseline parses --set
     if args.child:
         print("RESULT" + json.dumps(child(args.child, overrides, args.warmup, args.iterations)))
         return

@@ -38,7 +38,7 @@ def aggregation_error(policy, adapters, initial, updates, aggregate) -> dict[str
 
     ``updates``: (update arrays, num_examples) per client, each relative to ``initial``. Leaves
     ``adapters`` holding ``aggregate``."""
-    from flwr_verl.models import lora_delta_weights
+    from flwr_verl.engine.models import lora_delta_weights
 
     total = sum(n for _, n in updates)
     client_deltas = []
@@ -58,13 +58,13 @@ def aggregation_error(policy, adapters, initial, updates, aggregate) -> dict[str
 def run(args, freeze_a: bool, seed: int, eval_rows: list[dict]) -> dict:
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.models import build_models
-    from flwr_verl.protocol import FitReport
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import FitReport
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = engine_config(
         model={"lora_freeze_a": freeze_a},

@@ -86,7 +86,7 @@ def completion_log_probs(policy, tokenizer, row: dict, processors=None):
     ``processors`` (a ``LogitsProcessorList``) transform each step's logits as ``generate`` does."""
     import torch
 
-    from flwr_verl.data import prompt_text
+    from flwr_verl.engine.data import prompt_text
 
     prompt = tokenizer(prompt_text(row, tokenizer), add_special_tokens=False)["input_ids"]
     digit_ids = torch.tensor([tokenizer.convert_tokens_to_ids(d) for d in DIGITS])
@@ -112,7 +112,7 @@ def exposure(log_probs, secret_index: int) -> float:
 
 def measure(policy, tokenizer, rows: list[dict], engine, samples: int, processors=None) -> list[dict]:
     """Exposure and reproduction of each distinct secret in ``rows``."""
-    from flwr_verl.rollout import generate
+    from flwr_verl.engine.rollout import generate
 
     distinct = list({row["extra_info"]["secret"]: row for row in rows}.values())
     greedy = generate(policy, tokenizer, distinct, engine.rollout, engine.data.max_prompt_length, n=1, greedy=True,
@@ -140,11 +140,11 @@ def run_seed(args, seed: int) -> dict[str, list[dict]]:
     import torch
     from transformers import LogitsProcessorList
 
-    from flwr_verl.audit import train_planted
-    from flwr_verl.client import cached_models
     from flwr_verl.config import FederationConfig, engine_config
-    from flwr_verl.deidentify import NoVerbatimNgrams, ProtectedNgrams
-    from flwr_verl.rewards import resolve_compute_score
+    from flwr_verl.engine.rewards import resolve_compute_score
+    from flwr_verl.federation.client import cached_models
+    from flwr_verl.privacy.deidentify import NoVerbatimNgrams, ProtectedNgrams
+    from flwr_verl.tools.audit import train_planted
 
     def engine_for(privacy: dict):
         return engine_config(

@@ -50,7 +50,7 @@ def model_dir(requested: str | None) -> Path:
     if requested:
         return Path(requested).expanduser().resolve()
     from flwr_verl.embedded import cache_root
-    from flwr_verl.smollm2 import build
+    from flwr_verl.tools.smollm2 import build
 
     path = cache_root() / "SmolLM2-135M-Instruct"
     if not (path / "model.safetensors").is_file():

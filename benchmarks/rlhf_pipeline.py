@@ -74,13 +74,13 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
     client's noise planned by ``privacy.target_epsilon`` for all the stage's rounds. ``evaluate()``
     runs on the global adapter before the first round and after each. Returns the evaluations and
     each round's largest client epsilon (from the clients' reports)."""
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import parse_run_config
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.protocol import FitReport, SecAggBounds
-    from flwr_verl.secagg import derive_parameters
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import FitReport, SecAggBounds
+    from flwr_verl.federation.secagg import derive_parameters
+    from flwr_verl.federation.strategy import FedProxAdapters
     from flwr_verl.stages import load_stage_rows
-    from flwr_verl.strategy import FedProxAdapters
 
     privacy_config = ({"privacy.deterministic": True, "privacy.target_epsilon": args.epsilon} if args.epsilon
                       else {"privacy.enabled": False})
@@ -114,7 +114,7 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
 def near_miss_kinds(units: list) -> dict[str, list]:
     """The held-out pairs by how the rejected answer misses (``preference.near_misses``): off by
     +-1 or +-10, or the digits swapped; one single-pair unit per pair."""
-    from flwr_verl.preference import PreferenceUnit
+    from flwr_verl.stages.preference import PreferenceUnit
 
     kinds: dict[str, list] = {}
     for unit in units:
@@ -126,7 +126,12 @@ def near_miss_kinds(units: list) -> dict[str, list]:
 
 def stage1(args, workdir: Path) -> dict:
     from flwr_verl.config import parse_run_config
-    from flwr_verl.preference import LocalRewardModelTrainer, build_reward_model_trainee, export_merged, load_units
+    from flwr_verl.stages.preference import (
+        LocalRewardModelTrainer,
+        build_reward_model_trainee,
+        export_merged,
+        load_units,
+    )
 
     run_config = {
         "stage": "reward_model", "num-server-rounds": args.rm_rounds, "data.train_size": args.rm_train_size,
@@ -153,9 +158,9 @@ def stage1(args, workdir: Path) -> dict:
 def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -> dict:
     """GRPO from the embedded policy, against ``reward_model_path`` (None: the rule)."""
     from flwr_verl.config import parse_run_config
-    from flwr_verl.models import build_models
-    from flwr_verl.rollout import generate
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.models import build_models
+    from flwr_verl.engine.rollout import generate
+    from flwr_verl.engine.trainer import LocalPPOTrainer
 
     run_config = {"num-server-rounds": args.ppo_rounds, "data.train_size": args.ppo_train_size, "data.val_size": 0,
                   "data.train_batch_size": args.ppo_batch_size, "actor.ppo_mini_batch_size": args.ppo_batch_size}
@@ -206,11 +211,11 @@ def main() -> None:
     import random
 
     import torch
-
     from dp_utility import validation_problems  # noqa: E402  (benchmarks/ is the script's folder)
+
     from flwr_verl.config import ModelConfig, RewardModelConfig
-    from flwr_verl.models import load_tokenizer, resolve_model_path
-    from flwr_verl.reward_model import LearnedReward, load_reward_model
+    from flwr_verl.engine.models import load_tokenizer, resolve_model_path
+    from flwr_verl.engine.reward_model import LearnedReward, load_reward_model
 
     torch.set_num_threads(1)
     random.seed(args.seed)

@@ -52,9 +52,9 @@ from flwr.client import Client, ClientApp, NumPyClient  # noqa: E402
 
 from deploy.launch import MARKER, base_env, kill_processes, processes_with_env  # noqa: E402
 from deploy.simulation import ray_env  # noqa: E402
-from flwr_verl.mods import secaggplus_when_requested  # noqa: E402
-from flwr_verl.protocol import STATUS_OK, FitConfig, FitReport  # noqa: E402
-from flwr_verl.secagg import check_update, exact_update  # noqa: E402
+from flwr_verl.federation.mods import secaggplus_when_requested  # noqa: E402
+from flwr_verl.federation.protocol import STATUS_OK, FitConfig, FitReport  # noqa: E402
+from flwr_verl.federation.secagg import check_update, exact_update  # noqa: E402
 
 SPEC_ENV = "FLWR_VERL_SECAGG_SPEC"  # env var: path of the run's spec (JSON)
 NUM_EXAMPLES = (96, 256, 480)  # per partition, unequal; max-weight 2 * train_size = 500 covers them
@@ -99,7 +99,7 @@ def client_output(spec: dict, partition_id: int, parameters: list[np.ndarray], u
     """What a client returns from ``fit``.
 
     - ``delta``: new - global. In float32 this is ``VerlClient``'s arithmetic (float32 arrays);
-      in float64 it is ``flwr_verl.secagg.exact_update``: exact, and finely quantized by SecAgg+.
+      in float64 it is ``flwr_verl.federation.secagg.exact_update``: exact, and finely quantized by SecAgg+.
     - ``weights``: the new weights themselves.
     - ``fixed``: a fixed random update (benchmark).
     """
@@ -118,7 +118,7 @@ def client_level_output(spec: dict, phase_config: dict, partition_id: int, serve
     """The fixed update encoded for client-level DP (``distributed_dp.encode_update``), with noise
     seeded by (seed, round, partition): a test recomputes exactly what each client handed SecAgg+."""
     from flwr_verl.config import ClientLevelConfig
-    from flwr_verl.distributed_dp import encode_update, plan_round
+    from flwr_verl.privacy.distributed_dp import encode_update, plan_round
 
     update = fixed_update(spec, partition_id)
     plan = plan_round(ClientLevelConfig(**phase_config), sum(a.size for a in update), num_clients, threshold)
@@ -167,7 +167,7 @@ def client_fn(context: Context) -> Client:
 
 # Module level, so Ray pickles it by reference and each actor keeps its own update cache.
 # The project's mod: secaggplus_mod on SecAgg+ messages, so one ClientApp serves plain and
-# secure rounds (flwr_verl.mods imports Flower only, which keeps the Ray actors light).
+# secure rounds (flwr_verl.federation.mods imports Flower only, which keeps the Ray actors light).
 client_app = ClientApp(client_fn=client_fn, mods=[secaggplus_when_requested])
 
 
@@ -262,8 +262,8 @@ def run_phase(grid, context, spec: dict, phase: dict, sampler: RssSampler | None
     from flwr.server.workflow.default_workflows import default_fit_workflow
 
     from flwr_verl.config import ClientLevelConfig, FederationConfig, SecAggConfig
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     secagg = phase.get("secagg")
     capture = phase.get("capture", False)
@@ -482,7 +482,7 @@ def secagg_kwargs(clipping_range: float = 1.0, precision: float = 1e-7) -> dict:
     clients' sizes differ, as with data files, so max-weight is explicit: the automatic one
     assumes iid task data, where every client has exactly ``train_size`` prompts."""
     from flwr_verl.config import DataConfig, SecAggConfig
-    from flwr_verl.secagg import derive_parameters
+    from flwr_verl.federation.secagg import derive_parameters
 
     data = DataConfig(train_size=TRAIN_SIZE, train_batch_size=min(NUM_EXAMPLES))
     config = SecAggConfig(clipping_range=clipping_range, precision=precision, max_weight=2 * TRAIN_SIZE)
@@ -499,8 +499,13 @@ def secure_mean_in_process(updates: list[list[np.ndarray]], num_examples: list[i
     are left out: they decide which masks are drawn, never an integer of the result. Returns the
     mean and each client's masked integer arrays (what it uploads)."""
     from flwr.common.secure_aggregation.ndarrays_arithmetic import (
-        factor_combine, factor_extract, parameters_addition, parameters_mod, parameters_multiply,
-        parameters_subtraction)
+        factor_combine,
+        factor_extract,
+        parameters_addition,
+        parameters_mod,
+        parameters_multiply,
+        parameters_subtraction,
+    )
     from flwr.common.secure_aggregation.quantization import dequantize, quantize
     from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 

@@ -5,7 +5,7 @@ what each precision target costs on the wire.
     python benchmarks/secagg_precision.py --bits [--out benchmarks/results/secagg_bits.json]
 
 ``--bits``: for each ``secagg.precision`` in ``BITS_PRECISIONS``, the derived quantization range
-and the smallest modulus for 3 clients (``flwr_verl.secagg.derive_parameters``), and, for this
+and the smallest modulus for 3 clients (``flwr_verl.federation.secagg.derive_parameters``), and, for this
 spec's client updates, through real SecAgg+ (one Flower simulation, one round per precision)
 and through Flower's SecAgg+ functions in this process (``secure_mean_in_process``, also at the
 worst-case weights the derivation assumes): the max abs error against exact FedAvg, and the
@@ -160,7 +160,7 @@ def bits_spec() -> dict:
 
 def measure_bits(timeout: float) -> dict:
     """Bytes per parameter against precision (see the module docstring)."""
-    from flwr_verl.secagg import MODULUS_RANGE
+    from flwr_verl.federation.secagg import MODULUS_RANGE
 
     spec = bits_spec()
     results = run_flower(spec, timeout=timeout)

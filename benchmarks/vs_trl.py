@@ -126,7 +126,7 @@ def correctness(data_source, solution_str, ground_truth, extra_info=None) -> flo
 def flwr_verl_child(size: tuple[int, int, int], warmup: int, iterations: int, seed: int) -> dict:
     start = time.perf_counter()
     from flwr_verl.config import engine_config
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.trainer import LocalPPOTrainer
 
     with tempfile.TemporaryDirectory() as directory:
         build_model_dir(Path(directory), size, seed)

@@ -328,7 +328,7 @@ class LocalDeployment:
                       timeout: float = 600) -> subprocess.CompletedProcess:
         """``flwr-verl run <app> <connection> --run-config FILE --timeout T``: ``flwr run --stream``
         whose exit code is the run's outcome (0 completed, 1 failed, 2 invalid config, 3 timed out)."""
-        command = [sys.executable, "-m", "flwr_verl.cli", "run", str(app), self.connection, "--timeout", f"{timeout:g}"]
+        command = [sys.executable, "-m", "flwr_verl.tools.cli", "run", str(app), self.connection, "--timeout", f"{timeout:g}"]
         if run_config:
             command += ["--run-config", str(write_run_config(self.root / f"run_config_{time.time_ns()}.toml",
                                                              run_config))]

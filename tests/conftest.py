@@ -1,5 +1,5 @@
 """Shared fixtures. One torch thread: on a shared 2-core machine it is the fastest for the tiny
-embedded model. The embedded model ships with the package (flwr_verl/embedded_model)."""
+embedded model. The embedded model ships with the package (flwr_verl/embedded/shipped)."""
 
 from __future__ import annotations
 

@@ -87,12 +87,12 @@ def replay_updates(run_config: dict, partitions: list[int], num_partitions: int,
     Returns ``[(update arrays, num_examples), ...]``. Needs ``privacy.deterministic`` for DP runs."""
     from flwr.common import ndarrays_to_parameters
 
-    from flwr_verl.client import VerlClient, cached_rows
-    from flwr_verl.inprocess import InProcessClients
     from flwr_verl.config import parse_run_config
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.secagg import derive_parameters
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.federation.client import VerlClient, cached_rows
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.secagg import derive_parameters
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = parse_run_config(run_config)
     federation, engine = config.federation, config.engine
@@ -119,7 +119,7 @@ def weighted_mean(updates):
 def saved_adapter(adapter_dir: Path, run_config: dict | None = None):
     """The arrays of a saved global adapter directory (``adapters/round-NNNN``), in AdapterSet order."""
     from flwr_verl.config import parse_run_config
-    from flwr_verl.models import build_models, load_adapter_into
+    from flwr_verl.engine.models import build_models, load_adapter_into
 
     engine = parse_run_config(run_config or {}).engine
     models = build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed)
@@ -131,7 +131,7 @@ def saved_adapter(adapter_dir: Path, run_config: dict | None = None):
 
 def initial_adapter(run_config: dict | None = None):
     from flwr_verl.config import parse_run_config
-    from flwr_verl.models import build_models
+    from flwr_verl.engine.models import build_models
 
     engine = parse_run_config(run_config or {}).engine
     return build_models(engine.model, engine.needs_critic, seed=engine.trainer.seed).adapters.get_arrays()
@@ -144,7 +144,7 @@ def assert_final_adapter_trained_and_loadable(run_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from flwr_verl.config import ModelConfig
-    from flwr_verl.models import AdapterSet, resolve_model_path
+    from flwr_verl.engine.models import AdapterSet, resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(ModelConfig()), local_files_only=True)
     final = PeftModel.from_pretrained(base, run_dir / "adapters" / "final" / "policy", is_trainable=True)

@@ -14,7 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from flwr_verl.config import ModelConfig
-from flwr_verl.models import AdapterShapeError, build_models, load_adapter_into
+from flwr_verl.engine.models import AdapterShapeError, build_models, load_adapter_into
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_saved_adapters_load_with_plain_peft(source, probe, tmp_path, model_path
 
 
 def test_adapter_order_and_init_are_the_same_in_another_process():
-    listing = ("import json; from flwr_verl.config import ModelConfig; from flwr_verl.models import build_models; "
+    listing = ("import json; from flwr_verl.config import ModelConfig; from flwr_verl.engine.models import build_models; "
                "a = build_models(ModelConfig(), with_critic=True, seed=7).adapters; "
                "print('ADAPTERS' + json.dumps([[n, list(p.shape), float(p.double().sum())] "
                "for n, p in a.named_parameters()]))")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from flwr_verl.audit import (
+from flwr_verl.config import ConfigError
+from flwr_verl.privacy.audit import (
     AuditConfig,
     GradientCanaries,
     WithGradientCanaries,
@@ -21,7 +22,6 @@ from flwr_verl.audit import (
     score_canaries,
     with_canary_reward,
 )
-from flwr_verl.config import ConfigError
 
 
 def test_all_correct_guesses_give_the_closed_form_bound():
@@ -131,7 +131,7 @@ def test_bad_audit_options_name_the_key(kwargs, key):
 
 
 def test_an_unknown_flaw_is_refused():
-    from flwr_verl.audit import broken_mechanism
+    from flwr_verl.tools.audit import broken_mechanism
 
     with pytest.raises(ValueError, match=r"flaw='unclipped': expected one of unclipped_noiseless, unpooled"):
         with broken_mechanism("unclipped"):
@@ -139,7 +139,7 @@ def test_an_unknown_flaw_is_refused():
 
 
 def test_the_command_refuses_bad_options_before_training(capsys, tmp_path):
-    from flwr_verl.audit import main
+    from flwr_verl.tools.audit import main
 
     out = tmp_path / "audit.jsonl"
     assert main(["--canaries", "4", "--guesses", "4", "--out", str(out)]) == 2
@@ -167,8 +167,8 @@ def test_a_sampled_gradient_canary_is_one_more_unit_of_the_plain_mean():
     as unit U+1; a non-member never touches the gradient."""
     import torch
 
-    from flwr_verl.proximal import Proximal
-    from flwr_verl.trainer import PlainUpdate
+    from flwr_verl.engine.proximal import Proximal
+    from flwr_verl.engine.trainer import PlainUpdate
 
     weights = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     plain = PlainUpdate(torch.optim.SGD(weights, lr=1.0), weights, Proximal.none(), grad_clip=1e9,
@@ -202,8 +202,8 @@ POWER_AUDIT = AuditConfig(canaries=256, guesses=64)
 def _power_audit(**privacy):
     import dataclasses
 
-    from flwr_verl.audit import run_audit
     from flwr_verl.config import FederationConfig, engine_config
+    from flwr_verl.tools.audit import run_audit
 
     engine = engine_config(privacy=privacy, **POWER)
     federation = dataclasses.replace(FederationConfig(), num_server_rounds=2)
@@ -220,7 +220,7 @@ def test_without_dp_the_audit_bounds_epsilon_above_one():
 def test_a_mechanism_that_drops_clipping_and_noise_is_caught():
     """A test double of the DP update that clips at 1e6 and adds no noise, while the accountant
     still records the configured noise multiplier: the audit's bound exceeds the claimed epsilon."""
-    from flwr_verl.audit import broken_mechanism
+    from flwr_verl.tools.audit import broken_mechanism
 
     with broken_mechanism():
         result = _power_audit(enabled=True, target_epsilon=0.5, deterministic=True)

@@ -21,13 +21,13 @@ from flwr.common.config import flatten_dict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.compat.common.recorddict_compat import fitins_to_recorddict
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, ModelConfig, parse_run_config
-from flwr_verl.data import DataError, load_rows
-from flwr_verl.models import AdapterShapeError, ModelLoadError, build_models
-from flwr_verl.mods import ConciseErrors
-from flwr_verl.protocol import EvaluateConfig, FitConfig
-from flwr_verl.rewards import RewardError
+from flwr_verl.engine.data import DataError, load_rows
+from flwr_verl.engine.models import AdapterShapeError, ModelLoadError, build_models
+from flwr_verl.engine.rewards import RewardError
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.mods import ConciseErrors
+from flwr_verl.federation.protocol import EvaluateConfig, FitConfig
 from tests.conftest import TINY
 from tests.flower_harness import REPO, local_deployment, run_directories
 
@@ -119,7 +119,7 @@ def test_reward_function_that_is_missing_raises_or_returns_non_numbers(tiny_conf
     path.write_text(REWARDS)
     config = tiny_config(custom_reward_function={"path": str(path), "name": name})
     trained = []
-    monkeypatch.setattr("flwr_verl.trainer.LocalPPOTrainer.fit", lambda *a, **k: trained.append(1))
+    monkeypatch.setattr("flwr_verl.engine.trainer.LocalPPOTrainer.fit", lambda *a, **k: trained.append(1))
     with pytest.raises(RewardError, match=message):  # raised while the client is built, before fit
         VerlClient(config, *rows).fit([], {})
     assert not trained
@@ -241,9 +241,10 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
     from flwr.common.constant import ErrorCode
 
     from flwr_verl.config import FederationConfig
-    from flwr_verl.protocol import PreflightConfig, SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters, PreflightFailed
-    from flwr_verl.inprocess import InProcessClients
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import PreflightConfig, SecAggBounds
+    from flwr_verl.federation.rounds import PreflightFailed
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = tiny_config(data={"train_batch_size": 16}, actor={"ppo_mini_batch_size": 8})
     rows = load_rows(config.data, "train", 0)
@@ -268,6 +269,6 @@ def test_preflight_finds_a_batch_larger_than_a_clients_prompts_and_names_the_cli
     assert str(error.value) == ("round 1: preflight: 2 of 3 clients cannot train; nothing was trained:\n"
                                 f"  clients 1, 2: ConfigError: {reason}")
     strategy.check_preflight(1, ok, [])  # all ready: no error
-    from flwr_verl.strategy import NoReply
+    from flwr_verl.federation.rounds import NoReply
 
     strategy.check_preflight(1, ok, [NoReply("node 7 sent no get_properties reply within 600 s")])  # a warning

@@ -13,13 +13,13 @@ import pytest
 import torch
 from flwr.common.config import flatten_dict
 
-from flwr_verl.cli import main
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, ModelConfig, parse_run_config
-from flwr_verl.data import load_rows
-from flwr_verl.models import ModelLoadError, build_models, load_critic
-from flwr_verl.rewards import RewardError, checked
-from flwr_verl.trainer import LocalPPOTrainer
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import ModelLoadError, build_models, load_critic
+from flwr_verl.engine.rewards import RewardError, checked
+from flwr_verl.engine.trainer import LocalPPOTrainer
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.tools.cli import main
 from tests.flower_harness import REPO
 
 LINEAR = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"  # the embedded model's
@@ -37,7 +37,7 @@ def no_training(monkeypatch):
     def fit(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr("flwr_verl.trainer.LocalPPOTrainer.fit", fit)
+    monkeypatch.setattr("flwr_verl.engine.trainer.LocalPPOTrainer.fit", fit)
 
 
 # ----------------------------------------------------------------------------- model.target_modules
@@ -145,14 +145,14 @@ def test_check_config_refuses_keys_the_app_manifest_lacks(tmp_path, capsys):
 
 
 def test_check_config_as_a_command(profiles):
-    result = subprocess.run([sys.executable, "-m", "flwr_verl.cli", "check-config", str(profiles[1])],
+    result = subprocess.run([sys.executable, "-m", "flwr_verl.tools.cli", "check-config", str(profiles[1])],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert "unknown config key 'actor.lrr'" in result.stderr
 
 
 def test_flwr_verl_run_refuses_a_bad_config_before_submitting_anything(profiles, capsys, monkeypatch):
-    import flwr_verl.cli as cli
+    import flwr_verl.tools.cli as cli
 
     def no_flwr(*args, **kwargs):
         raise AssertionError("flwr was called for an invalid config")
@@ -168,8 +168,8 @@ def test_flwr_verl_run_passes_flower_a_run_config_it_accepts(profiles, tmp_path,
     as one run config, parsed by Flower's own parser into what check-config validated."""
     from flwr.common.config import parse_config_args
 
-    from flwr_verl.baseline import read_run_config
-    from flwr_verl.cli import run_config_args
+    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.cli import run_config_args
 
     args = run_config_args(str(profiles[0]), overrides, tmp_path)
     passed = parse_config_args(args[1::2])

@@ -8,8 +8,11 @@ import pytest
 from flwr.app import RecordDict
 from flwr.common import parameters_to_ndarrays
 
-from flwr_verl.client import VerlClient
-from flwr_verl.compression import (
+from flwr_verl.config import CompressionConfig, ConfigError, FederationConfig, SecAggConfig, parse_run_config
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.compression import (
     StateErrorFeedback,
     coordinate_mask,
     round_seed,
@@ -17,12 +20,9 @@ from flwr_verl.compression import (
     select,
     with_error_feedback,
 )
-from flwr_verl.config import CompressionConfig, ConfigError, FederationConfig, SecAggConfig, parse_run_config
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.models import build_models
-from flwr_verl.protocol import FitConfig, FitReport, SecAggBounds
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import FitConfig, FitReport, SecAggBounds
+from flwr_verl.federation.strategy import FedProxAdapters
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]  # 25 coordinates
 

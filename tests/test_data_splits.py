@@ -18,7 +18,7 @@ import pytest
 
 from flwr_verl import embedded
 from flwr_verl.config import DataConfig, FlwrVerlError
-from flwr_verl.data import DataError, load_rows
+from flwr_verl.engine.data import DataError, load_rows
 
 CLIENTS = 3
 TASKS = ["arithmetic", "reasoning_gym:chain_sum"]
@@ -141,8 +141,8 @@ def test_clients_evaluate_on_the_tune_split_only_when_asked(tiny_config):
     parquet data has no tune split, which the config refuses."""
     from flwr.app import Context, RecordDict
 
-    from flwr_verl.client import client_from_context
     from flwr_verl.config import ConfigError
+    from flwr_verl.federation.client import client_from_context
 
     def evaluated(eval_split: str) -> set[str]:
         node = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1},

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from flwr_verl.client import with_node_corpus
 from flwr_verl.config import ConfigError, parse_run_config
-from flwr_verl.data import load_rows, prompt_text
-from flwr_verl.deidentify import CorpusError, NoVerbatimNgrams, ProtectedNgrams, build_processors, read_corpus
-from flwr_verl.models import build_models
-from flwr_verl.rollout import generate
-from flwr_verl.trainer import LocalPPOTrainer
+from flwr_verl.engine.data import load_rows, prompt_text
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.rollout import generate
+from flwr_verl.engine.trainer import LocalPPOTrainer
+from flwr_verl.federation.client import with_node_corpus
+from flwr_verl.privacy.deidentify import CorpusError, NoVerbatimNgrams, ProtectedNgrams, build_processors, read_corpus
 
 NGRAM = 4
 
@@ -201,7 +201,7 @@ def test_serving_api_loads_the_runs_adapter_and_filters(tmp_path, models, val_ro
     import json
 
     from flwr_verl.config import RunConfig
-    from flwr_verl.deidentify import deidentified_generation
+    from flwr_verl.tools.serving import deidentified_generation
 
     run = tmp_path / "run-1"
     models.adapters.save(run / "adapters" / "final")

@@ -21,8 +21,8 @@ import pytest
 from deploy.certs import make_node_key, make_tls
 from deploy.launch import base_env, free_port, kill_processes_with_env
 from flwr_verl.config import parse_run_config
-from flwr_verl.ledger import PrivacyLedger
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
+from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, sample_rate
+from flwr_verl.privacy.ledger import PrivacyLedger
 from tests.flower_harness import (
     REPO,
     SMALL_RUN,

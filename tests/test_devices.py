@@ -18,12 +18,12 @@ import pytest
 import torch
 from flwr.common import parameters_to_ndarrays
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
-from flwr_verl.data import load_rows
-from flwr_verl.protocol import EvaluateConfig, FitConfig, SecAggBounds
-from flwr_verl.strategy import FedProxAdapters
-from flwr_verl.inprocess import InProcessClients, fit_round
+from flwr_verl.engine.data import load_rows
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import EvaluateConfig, FitConfig, SecAggBounds
+from flwr_verl.federation.strategy import FedProxAdapters
 
 FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "eye",
              "linspace")

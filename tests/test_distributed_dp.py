@@ -1,4 +1,4 @@
-"""Client-level DP with distributed Skellam noise (``flwr_verl.distributed_dp``).
+"""Client-level DP with distributed Skellam noise (``flwr_verl.privacy.distributed_dp``).
 
 Fast: the noise's distribution (chi-square against scipy's Skellam, fixed seed), the rotation and
 the rounding, what Flower's own quantization does to the clients' integers, epsilon against
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from flwr_verl import distributed_dp as ddp
 from flwr_verl.config import ClientLevelConfig, ConfigError, parse_run_config
+from flwr_verl.federation.secagg import integer_secagg_parameters
+from flwr_verl.privacy import distributed_dp as ddp
 
 CONFIG = ClientLevelConfig(enabled=True, clip_norm=0.1, noise_multiplier=1.0, bits=20)
 
@@ -113,7 +114,7 @@ def test_flowers_quantization_passes_the_clients_integers_unchanged():
     from flwr.common.secure_aggregation.quantization import quantize
 
     plan = ddp.plan_round(CONFIG, 1000, num_clients=3, threshold=2)
-    params = ddp.integer_secagg_parameters(_secagg_parameters(), plan.bits)
+    params = integer_secagg_parameters(_secagg_parameters(), plan.bits)
     assert round(1 / params.max_weight * params.quantization_range) / params.quantization_range == 1.0
     integers = np.random.default_rng(3).integers(-3 * plan.modulus, 3 * plan.modulus, size=5000)
     sent = ddp.to_secagg_input(integers, plan.modulus)
@@ -123,7 +124,7 @@ def test_flowers_quantization_passes_the_clients_integers_unchanged():
 
 def _secagg_parameters():
     from flwr_verl.config import DataConfig, SecAggConfig
-    from flwr_verl.secagg import derive_parameters
+    from flwr_verl.federation.secagg import derive_parameters
 
     return derive_parameters(SecAggConfig(), DataConfig(train_size=64), num_clients=3)
 
@@ -131,11 +132,11 @@ def _secagg_parameters():
 def test_the_integer_settings_are_accepted_by_flower():
     from flwr.server.workflow import SecAggPlusWorkflow
 
-    SecAggPlusWorkflow(**ddp.integer_secagg_parameters(_secagg_parameters(), 20).workflow_kwargs())
+    SecAggPlusWorkflow(**integer_secagg_parameters(_secagg_parameters(), 20).workflow_kwargs())
 
 
 def test_the_round_instructions_travel_in_the_fit_config():
-    from flwr_verl.protocol import ClientLevelRound, FitConfig, SecAggBounds
+    from flwr_verl.federation.protocol import ClientLevelRound, FitConfig, SecAggBounds
 
     sent = FitConfig(server_round=4, local_iterations=2, planned_iterations=16, proximal_mu=0.0,
                      secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=5, threshold=2))
@@ -223,7 +224,7 @@ def test_a_bit_width_too_small_for_the_clients_fails_before_training():
 
 def test_client_level_dp_without_secagg_is_refused():
     from flwr_verl.config import FederationConfig
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     with pytest.raises(ConfigError, match=r"needs secagg.enabled=true"):
         parse_run_config({"privacy.client_level.enabled": True, "secagg.enabled": False})
@@ -235,9 +236,9 @@ def test_the_server_refuses_a_round_with_more_clients_than_the_bits_hold_before_
     from flwr.common import ndarrays_to_parameters
 
     from flwr_verl.config import FederationConfig
-    from flwr_verl.inprocess import InProcessClients
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     initial = [np.zeros(64)]
     strategy = FedProxAdapters(FederationConfig(), initial, local_iterations=1, secure_aggregation=SecAggBounds(1, 64),
@@ -259,7 +260,7 @@ def secure_round(tmp_path_factory):
         sys.path.insert(0, folder)
     import secagg_harness as harness
 
-    workflow = ddp.integer_secagg_parameters(_secagg_parameters(), PHASE_CONFIG["bits"]).workflow_kwargs()
+    workflow = integer_secagg_parameters(_secagg_parameters(), PHASE_CONFIG["bits"]).workflow_kwargs()
     spec = {"num_supernodes": CLIENTS, "num_examples": [64] * CLIENTS, "shapes": [[16, 64], [64, 16], [300]],
             "seed": 11, "delta_scale": 0.05, "weight_scale": 0.0, "client_cpus": 1,
             "phases": [{"name": "client_level", "secagg": workflow, "format": "client_level", "dtype": "float64",
@@ -307,12 +308,12 @@ def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_ep
     metrics and log carry the client-level epsilon beside the per-prompt one."""
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import FederationConfig, SecAggConfig
-    from flwr_verl.data import load_rows
-    from flwr_verl.inprocess import InProcessClients, fit_round
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.inprocess import InProcessClients, fit_round
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True,
                                   "client_level.enabled": True, "client_level.clip_norm": 0.05,
@@ -343,8 +344,8 @@ def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_ep
         assert client.ledger.account(key).epsilon(1e-5) == pytest.approx(metrics["epsilon_client_level"])
         assert client.ledger.account(client.data_set).steps == 1
     # A node whose client-epsilon-budget one more round would pass leaves round 2 before training.
-    from flwr_verl.client import PrivacyBudgetExhausted
-    from flwr_verl.protocol import ClientLevelRound, FitConfig
+    from flwr_verl.federation.client import PrivacyBudgetExhausted
+    from flwr_verl.federation.protocol import ClientLevelRound, FitConfig
 
     spent = metrics["epsilon_client_level"]
     refusing = clients["0"]

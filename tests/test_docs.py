@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flwr_verl.cli import app_defaults
+from flwr_verl.tools.cli import app_defaults
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

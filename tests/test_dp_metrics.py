@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig, parse_run_config
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.ledger import DataSetKey, PrivacyLedger
-from flwr_verl.privacy import (
+from flwr_verl.engine.data import load_rows
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import FitReport
+from flwr_verl.federation.strategy import FedProxAdapters
+from flwr_verl.privacy.dpsgd import (
     IterationMechanism,
     centered_prompt_sum,
     noise_for_target_epsilon,
     release_metrics,
     released_metric_std,
 )
-from flwr_verl.protocol import FitReport
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.privacy.ledger import DataSetKey, PrivacyLedger
 
 DELTA = 1e-5
 DP_METRICS_ON = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True, "metrics": "dp",
@@ -151,7 +151,7 @@ def test_dp_metrics_are_refused_for_the_reward_model_stage():
 
 
 def test_the_progress_line_shows_the_noised_reward():
-    from flwr_verl.workflow import progress_line
+    from flwr_verl.federation.workflow import progress_line
 
     record = {"round": 2, "seconds": 3.0, "fit": {"dp_reward_mean": 0.41, "dp_response_length": 5.2}}
     assert progress_line(record, 4).startswith("round 2/4: noised reward 0.410 | not evaluated")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flwr_verl.config import DPO_LOSS_NAMES, ConfigError, parse_run_config
-from flwr_verl.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, pair_examples
-from flwr_verl.models import build_models
-from flwr_verl.preference import PreferenceUnit, load_units
+from flwr_verl.engine.models import build_models
+from flwr_verl.stages.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, pair_examples
+from flwr_verl.stages.preference import PreferenceUnit, load_units
 from tests.unit_independence import assert_units_are_independent
 
 DPO = {"stage": "dpo", "privacy.enabled": True, "privacy.noise_multiplier": 1.0, "privacy.deterministic": True,

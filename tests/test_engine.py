@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from flwr_verl.config import ADV_ESTIMATORS, engine_config
-from flwr_verl.data import DataError, load_parquet_rows, load_rows, prompt_text
 from flwr_verl.embedded import arithmetic_rows, compute_score
-from flwr_verl.models import load_tokenizer
-from flwr_verl.proximal import Proximal
-from flwr_verl.rollout import generate
-from flwr_verl.trainer import LocalPPOTrainer
+from flwr_verl.engine.data import DataError, load_parquet_rows, load_rows, prompt_text
+from flwr_verl.engine.models import load_tokenizer
+from flwr_verl.engine.proximal import Proximal
+from flwr_verl.engine.rollout import generate
+from flwr_verl.engine.trainer import LocalPPOTrainer
 
 
 def log_probs(policy, batch) -> torch.Tensor:
@@ -311,7 +311,7 @@ def test_greedy_accuracy_on_held_out_prompts_rises(learning_run):
 
 # ----------------------------------------------------------------------------- the baseline
 def test_baseline_pools_the_clients_data_and_runs_rounds(tiny_config):
-    from flwr_verl.baseline import pooled_rows, run_baseline
+    from flwr_verl.tools.baseline import pooled_rows, run_baseline
 
     config = tiny_config(trainer={"local_iterations": 2})
     train, val = pooled_rows(config, num_clients=2)
@@ -330,7 +330,7 @@ def test_baseline_pools_the_clients_data_and_runs_rounds(tiny_config):
 
 
 def test_baseline_command_reads_nested_toml_and_overrides(tmp_path, capsys):
-    from flwr_verl.baseline import main
+    from flwr_verl.tools.baseline import main
 
     profile = tmp_path / "profile.toml"
     profile.write_text(

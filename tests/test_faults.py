@@ -38,17 +38,18 @@ import torch
 from flwr.app import Error
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-from flwr_verl.checkpoint import CheckpointError, load_state
-from flwr_verl.client import NonFiniteUpdate, VerlClient
 from flwr_verl.config import FederationConfig, SecAggConfig
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients
-from flwr_verl.models import build_models
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
-from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, SecAggBounds
-from flwr_verl.rundir import RunDirectory, fingerprint
-from flwr_verl.strategy import FedProxAdapters, RoundFailed, StopFederation
-from flwr_verl.trainer import FitResult
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.trainer import FitResult
+from flwr_verl.federation.checkpoint import CheckpointError, load_state
+from flwr_verl.federation.client import NonFiniteUpdate, VerlClient
+from flwr_verl.federation.inprocess import InProcessClients
+from flwr_verl.federation.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport, SecAggBounds
+from flwr_verl.federation.rounds import RoundFailed, StopFederation
+from flwr_verl.federation.rundir import RunDirectory, fingerprint
+from flwr_verl.federation.strategy import FedProxAdapters
+from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, sample_rate
 from tests.flower_harness import (
     FAULT_RUN,
     REPO,
@@ -236,8 +237,8 @@ def test_secagg_round_where_every_client_refuses_stops_cleanly():
 def test_node_config_can_only_tighten_the_epsilon_budget(tiny_config, rows):
     from flwr.app import Context, RecordDict
 
-    from flwr_verl.client import client_from_context
     from flwr_verl.config import ConfigError
+    from flwr_verl.federation.client import client_from_context
 
     def context(node_config):
         return Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1, **node_config},
@@ -381,9 +382,9 @@ def test_exchange_matches_replies_to_messages_and_names_the_nodes_that_did_not_a
     from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
     from flwr.supercore.task_identity import TaskIdentity
 
-    from flwr_verl.strategy import describe_failures
-    from flwr_verl.wire import NodeNamedErrors
-    from flwr_verl.workflow import exchange
+    from flwr_verl.federation.rounds import describe_failures
+    from flwr_verl.federation.wire import NodeNamedErrors
+    from flwr_verl.federation.workflow import exchange
 
     for identity in ("_run_id", "_task_id", "_node_id"):  # what a ServerApp process has set
         monkeypatch.setattr(TaskIdentity, identity, 1)
@@ -571,8 +572,8 @@ def test_under_secagg_a_refusing_client_leaves_the_round_and_is_not_sampled_agai
     """A zero-weight participant would still count towards SecAgg+'s reconstruction threshold, and
     the server could unmask one client's exact update as the "sum". Under SecAgg+ a client over
     its budget therefore leaves the round with an error; the strategy stops sampling it."""
-    from flwr_verl.client import PrivacyBudgetExhausted
-    from flwr_verl.mods import describe
+    from flwr_verl.federation.client import PrivacyBudgetExhausted
+    from flwr_verl.federation.mods import describe
 
     config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "deterministic": True,
                                   "epsilon_budget": 1e-3})
@@ -645,8 +646,8 @@ def test_a_torn_last_metrics_line_is_dropped_and_run_names_never_collide(tmp_pat
 
 
 def test_the_progress_line_and_the_summary_tell_the_story():
-    from flwr_verl.server import summary
-    from flwr_verl.workflow import progress_line
+    from flwr_verl.federation.server import summary
+    from flwr_verl.federation.workflow import progress_line
 
     record = {"round": 3, "seconds": 21.3, "evaluate": {"accuracy": 0.5625},
               "fit": {"reward_before": 0.2, "reward_after": 0.3, "epsilon_run": 5.6,

@@ -6,23 +6,22 @@ strategy, in process; the standard-LoRA round is the contrast that shows the che
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from flwr.common import parameters_to_ndarrays
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.models import build_models
-from flwr_verl.protocol import PreflightConfig
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import PreflightConfig
+from flwr_verl.federation.strategy import FedProxAdapters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import lora_aggregation  # noqa: E402  (the benchmark's measure is the one tested)

@@ -3,7 +3,7 @@
 import pytest
 
 from flwr_verl.config import ConfigError, parse_run_config
-from flwr_verl.data import load_rows
+from flwr_verl.engine.data import load_rows
 
 
 def test_the_instruction_ends_every_generated_prompt_and_nothing_else_changes():

@@ -1,4 +1,4 @@
-"""The policy forward that computes each prompt once for its n responses (``flwr_verl/forward.py``)."""
+"""The policy forward that computes each prompt once for its n responses (``flwr_verl/engine/forward.py``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flwr_verl.config import engine_config
-from flwr_verl.data import task_rows
-from flwr_verl.forward import response_logits
-from flwr_verl.models import build_models
-from flwr_verl.rollout import generate
+from flwr_verl.engine.data import task_rows
+from flwr_verl.engine.forward import response_logits
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.rollout import generate
 
 N = 4
 

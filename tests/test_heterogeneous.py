@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, LocalBudget, SecAggConfig, parse_run_config
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.models import build_models
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount, sample_rate
-from flwr_verl.protocol import STATUS_OK, FitConfig, FitReport
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import STATUS_OK, FitConfig, FitReport
+from flwr_verl.federation.strategy import FedProxAdapters
+from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, sample_rate
 
 
 @pytest.fixture(scope="module")

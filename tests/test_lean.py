@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_verl._verl import AlgoConfig, DataProto, KLControlConfig, core_algos, verl_F
 from flwr_verl.config import ADV_ESTIMATORS
-from flwr_verl.data import load_rows
 from flwr_verl.embedded import compute_score
-from flwr_verl.forward import response_logits
-from flwr_verl.rewards import make_reward_manager
-from flwr_verl.trainer import LocalPPOTrainer
+from flwr_verl.engine._verl import AlgoConfig, DataProto, KLControlConfig, core_algos, verl_F
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.forward import response_logits
+from flwr_verl.engine.rewards import make_reward_manager
+from flwr_verl.engine.trainer import LocalPPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("opacus", "pandas", "datasets", "fastapi", "uvicorn", "torchdata", "pydantic", "aiohttp",
@@ -29,7 +29,7 @@ HEAVY = ("opacus", "pandas", "datasets", "fastapi", "uvicorn", "torchdata", "pyd
 
 
 def test_engine_imports_neither_opacus_nor_verls_driver():
-    probe = ("import json, sys\nimport flwr_verl.client, flwr_verl.trainer\n"
+    probe = ("import json, sys\nimport flwr_verl.federation.client, flwr_verl.engine.trainer\n"
              f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
@@ -77,7 +77,7 @@ def test_log_prob_passes_run_only_when_read(tiny_config, overrides, expected, kl
 def test_on_policy_old_log_probs_equal_recomputed_ones_exactly(tiny_config, monkeypatch, sampling):
     """The update reuses its own log-probs as the old ones: they are bit-identical to a separate
     no-grad pass at the rollout weights."""
-    import flwr_verl.trainer as trainer_module
+    import flwr_verl.engine.trainer as trainer_module
 
     config = tiny_config(rollout=sampling, **ON_POLICY)
     trainer = LocalPPOTrainer(config, load_rows(config.data, "train", seed=0))
@@ -119,7 +119,7 @@ def test_batched_decoding_scores_as_verls_row_by_row_manager(tiny_config):
 
 
 def trainer_rollout(trainer: LocalPPOTrainer) -> DataProto:
-    from flwr_verl.rollout import generate
+    from flwr_verl.engine.rollout import generate
 
     config = trainer.config
     return generate(trainer.policy, trainer.tokenizer, trainer.train_rows[:16], config.rollout,
@@ -150,7 +150,7 @@ def test_restated_driver_functions_match_verls(estimator):
 
     config = AlgoConfig(adv_estimator=estimator, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.1))
     results = []
-    for module in (sys.modules["flwr_verl._verl"], ray_trainer):
+    for module in (sys.modules["flwr_verl.engine._verl"], ray_trainer):
         batch = random_batch(seed=1)
         assert torch.equal(module.compute_response_mask(batch), batch.batch["response_mask"])
         controller = core_algos.get_kl_controller(config.kl_ctrl)

@@ -23,17 +23,17 @@ import pytest
 from flwr.app import Context, RecordDict
 from flwr.common import ndarrays_to_parameters
 
-from flwr_verl import client as client_module
-from flwr_verl.cli import main as cli_main
-from flwr_verl.client import VerlClient, client_from_context, reported_num_examples
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.ledger import DataSetKey, LedgerError, PrivacyLedger, fingerprint_prompts
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount
-from flwr_verl.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport
+from flwr_verl.engine.data import load_rows
+from flwr_verl.federation import client as client_module
+from flwr_verl.federation.client import VerlClient, client_from_context, reported_num_examples
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport
+from flwr_verl.federation.strategy import FedProxAdapters
+from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount
+from flwr_verl.privacy.ledger import DataSetKey, LedgerError, PrivacyLedger, fingerprint_prompts
 from flwr_verl.stages import unit_prompts
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.tools.cli import main as cli_main
 
 DELTA = 1e-5
 REPO = Path(__file__).resolve().parents[1]
@@ -135,8 +135,8 @@ def test_the_same_prompts_spend_one_budget_across_stages(tiny_config, tmp_path):
     """SFT on a client's private prompts, then PPO on the same prompts: the policy's first round
     continues the SFT round's account. A reward model's preference units of the same prompts key
     alike; other prompts (the validation split) have a budget of their own."""
-    from flwr_verl.preference import PreferenceUnit
-    from flwr_verl.sft import load_units
+    from flwr_verl.stages.preference import PreferenceUnit
+    from flwr_verl.stages.sft import load_units
 
     ledger = PrivacyLedger(tmp_path / "ledger.sqlite")
     policy = tiny_config(privacy=PRIVATE, trainer=ONE_ITERATION)
@@ -174,8 +174,8 @@ def spend_until_refused(ledger, budget, run_id):
 SPENDER = """
 import sys, time
 from pathlib import Path
-from flwr_verl.ledger import DataSetKey, PrivacyLedger
-from flwr_verl.privacy import IterationMechanism, PrivacyAccount
+from flwr_verl.privacy.ledger import DataSetKey, PrivacyLedger
+from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount
 """ + inspect.getsource(spend_until_refused) + """
 path, budget, start = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
 PrivacyAccount().after(IterationMechanism(1.0, 0.1), 1).epsilon(1e-5)
@@ -282,8 +282,8 @@ def test_client_level_spends_are_their_own_entry_shown_and_held_to_their_budget(
     """Client-level DP's rounds go to the same data set under privacy unit "client", composed at
     sampling rate 1 (the node does not trust the server's sampling), never mixed with its
     per-prompt spends; past ``budget`` a round is refused and nothing is written."""
-    from flwr_verl import distributed_dp as ddp
     from flwr_verl.config import ClientLevelConfig
+    from flwr_verl.privacy import distributed_dp as ddp
 
     path = tmp_path / "ledger.sqlite"
     ledger = PrivacyLedger(path)

@@ -25,7 +25,7 @@ after every check the client makes and before SecAgg+ masks it."""
 from flwr.client import ClientApp
 
 from apps.client_app import client_fn as honest_client_fn
-from flwr_verl.mods import concise_errors, secaggplus_when_requested
+from flwr_verl.federation.mods import concise_errors, secaggplus_when_requested
 
 
 def client_fn(context):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flwr_verl.config import parse_run_config
-from flwr_verl.data import DataError
-from flwr_verl.preference import (
+from flwr_verl.engine.data import DataError
+from flwr_verl.stages.preference import (
     LocalRewardModelTrainer,
     PreferenceUnit,
     build_reward_model_trainee,
@@ -112,8 +112,8 @@ def test_the_round_adapter_and_the_merged_model_score_as_the_trained_model(tmp_p
     """Both stage-1 outputs load as ``reward_model.model.path`` and give the trained model's scores:
     the per-round PEFT adapter (on the causal-LM base, the head from the adapter) and the merged
     directory."""
-    from flwr_verl.preference import REWARD_MODEL_ROLE, export_merged
-    from flwr_verl.reward_model import conversation_text, load_reward_model
+    from flwr_verl.engine.reward_model import conversation_text, load_reward_model
+    from flwr_verl.stages.preference import REWARD_MODEL_ROLE, export_merged
 
     config, models = trainee
     initial = models.adapters.get_arrays()
@@ -136,8 +136,8 @@ def test_an_adapter_that_does_not_save_the_score_head_is_refused(tmp_path, train
     import json
 
     from flwr_verl.config import ConfigError
-    from flwr_verl.preference import REWARD_MODEL_ROLE
-    from flwr_verl.reward_model import load_reward_model
+    from flwr_verl.engine.reward_model import load_reward_model
+    from flwr_verl.stages.preference import REWARD_MODEL_ROLE
 
     _, models = trainee
     models.adapters.save(tmp_path)
@@ -148,7 +148,7 @@ def test_an_adapter_that_does_not_save_the_score_head_is_refused(tmp_path, train
 
 
 def test_stages_on_the_same_prompts_compose_their_epsilon():
-    from flwr_verl.privacy import IterationMechanism, PrivacyAccount, compose
+    from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, compose
 
     stage1, stage2 = PrivacyAccount(), PrivacyAccount()
     stage1.record(IterationMechanism(1.0, 0.05), 40)
@@ -179,9 +179,9 @@ def test_a_stage_1_client_fits_under_dp_and_a_node_time_budget(trainee):
     """The client's fit, as a ClientApp runs it, on stage ``reward_model``: a node's
     ``time-budget-s`` reaches the Bradley-Terry trainer as it does the PPO one (the first
     iteration always runs), and the spend is in the privacy report."""
-    from flwr_verl.client import VerlClient
     from flwr_verl.config import LocalBudget
-    from flwr_verl.protocol import FitConfig, FitReport
+    from flwr_verl.federation.client import VerlClient
+    from flwr_verl.federation.protocol import FitConfig, FitReport
 
     config, models = trainee
     client = VerlClient(config, load_units(config.data, "train", 0), load_units(config.data, "val", 0),

@@ -1,6 +1,6 @@
 """DP-SGD through Opacus on the LoRA policy: per-unit gradients, clipping, noise, accounting.
 
-Offline and CPU-only: the embedded model (shipped with the package, ``flwr_verl/embedded_model``)
+Offline and CPU-only: the embedded model (shipped with the package, ``flwr_verl/embedded/shipped``)
 is loaded once for this module. Tests that change the adapter weights
 get them restored afterwards, and every test checks that it left no Opacus hooks behind.
 """
@@ -26,12 +26,15 @@ from opacus.accountants.rdp import RDPAccountant
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from flwr_verl._verl import core_algos, verl_F
 from flwr_verl.config import ConfigError, PrivacyConfig, engine_config
-from flwr_verl.data import task_rows
-from flwr_verl.forward import response_logits
-from flwr_verl.models import build_models
-from flwr_verl.privacy import (
+from flwr_verl.engine._verl import core_algos, verl_F
+from flwr_verl.engine.data import task_rows
+from flwr_verl.engine.forward import response_logits
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.proximal import Proximal
+from flwr_verl.engine.rollout import generate
+from flwr_verl.engine.trainer import LocalPPOTrainer
+from flwr_verl.privacy.dpsgd import (
     IterationMechanism,
     PrivacyAccount,
     PrivacyAccountError,
@@ -40,9 +43,6 @@ from flwr_verl.privacy import (
     noise_for_target_epsilon,
     sample_rate,
 )
-from flwr_verl.proximal import Proximal
-from flwr_verl.rollout import generate
-from flwr_verl.trainer import LocalPPOTrainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning", "ignore::RuntimeWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
@@ -245,7 +245,7 @@ def test_per_unit_gradients_of_other_layer_types_equal_each_unit_alone(mode):
     """Per unit, a linear layer gets a unit's rows as one row, any other layer type (here a layer
     norm) its per-row gradients summed; through a pass of one row per unit and one of n rows per
     unit, each unit's gradient is the gradient of its own mean loss."""
-    from flwr_verl.per_sample import PerSampleGradients
+    from flwr_verl.privacy.per_sample import PerSampleGradients
 
     torch.manual_seed(0)
     units, n = 3, 4
@@ -475,7 +475,7 @@ def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypa
     gradients to the first rows of the batch, not to each prompt's rows)."""
     from opacus.grad_sample import GradSampleHooks
 
-    from flwr_verl.per_sample import PerSampleGradients
+    from flwr_verl.privacy.per_sample import PerSampleGradients
 
     params = trainable(models.policy)
     start = [p.detach().clone() for p in params]

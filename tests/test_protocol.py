@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from flwr_verl.protocol import (
+from flwr_verl.federation.protocol import (
     STATUS_BUDGET,
     STATUS_OK,
     EvaluateConfig,

@@ -1,4 +1,4 @@
-"""A learned reward model per client (``flwr_verl.reward_model``): scores, combination, bad input."""
+"""A learned reward model per client (``flwr_verl.engine.reward_model``): scores, combination, bad input."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flwr_verl.config import ConfigError
 from flwr_verl.embedded import arithmetic_rows, build_tokenizer
-from flwr_verl.protocol import FitConfig, FitReport
-from flwr_verl.reward_model import LearnedReward, load_reward_model
-from flwr_verl.rollout import generate
+from flwr_verl.engine.reward_model import LearnedReward, load_reward_model
+from flwr_verl.engine.rollout import generate
+from flwr_verl.federation.protocol import FitConfig, FitReport
 from tests.reward_models import other_tokenizer, save_classifier
 
 ROWS = arithmetic_rows(4, seed=3)
@@ -20,7 +20,7 @@ ROWS = arithmetic_rows(4, seed=3)
 
 @pytest.fixture(scope="module")
 def policy(tiny_config):
-    from flwr_verl.models import build_models
+    from flwr_verl.engine.models import build_models
 
     config = tiny_config()
     return config, build_models(config.model, with_critic=False)
@@ -59,8 +59,8 @@ def test_scores_equal_a_direct_forward_at_the_last_token(policy, reward_model_di
 
 
 def test_add_combines_the_rule_reward_with_its_weight(policy, reward_model_dirs):
-    from flwr_verl.rewards import make_reward_manager
     from flwr_verl.embedded import compute_score
+    from flwr_verl.engine.rewards import make_reward_manager
 
     config, models = policy
     batch = _rollout(config, models)
@@ -75,7 +75,7 @@ def test_add_combines_the_rule_reward_with_its_weight(policy, reward_model_dirs)
 def test_a_client_trains_against_its_node_reward_model_under_dp(tiny_config, reward_model_dirs):
     """The node's ``reward-model-path`` overrides the run config's path; fit runs under DP and
     reports the reward model's time (training metrics sent in the clear, for the test)."""
-    from flwr_verl.client import VerlClient, with_node_reward_model
+    from flwr_verl.federation.client import VerlClient, with_node_reward_model
 
     config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "metrics": "clear"},
                          reward_model={"enable": True},
@@ -92,7 +92,7 @@ def test_a_client_trains_against_its_node_reward_model_under_dp(tiny_config, rew
 
 # ----------------------------------------------------------------------------- bad input
 def test_enabled_without_a_path_names_the_keys(tiny_config):
-    from flwr_verl.client import VerlClient
+    from flwr_verl.federation.client import VerlClient
 
     with pytest.raises(ConfigError, match=r"reward_model.model.path.*reward-model-path"):
         VerlClient(tiny_config(reward_model={"enable": True}), arithmetic_rows(32, seed=1), [])
@@ -122,7 +122,7 @@ def test_a_tokenizer_without_pad_or_eos_is_refused(tmp_path):
 
 
 def test_a_reward_model_too_short_for_prompt_plus_response_is_refused(tmp_path, tiny_config):
-    from flwr_verl.client import VerlClient
+    from flwr_verl.federation.client import VerlClient
 
     directory = save_classifier(tmp_path / "short", build_tokenizer(), max_positions=8)
     config = tiny_config(reward_model={"enable": True, "model.path": str(directory)})

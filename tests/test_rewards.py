@@ -8,12 +8,12 @@ import re
 import pytest
 
 from flwr_verl import embedded
-from flwr_verl._verl import default_compute_score
 from flwr_verl.config import ConfigError, DataConfig, RewardConfig
-from flwr_verl.data import load_rows
-from flwr_verl.models import build_models
-from flwr_verl.rewards import RewardError, checked, final_number_score, load_function, resolve_compute_score
-from flwr_verl.trainer import LocalPPOTrainer
+from flwr_verl.engine._verl import default_compute_score
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.rewards import RewardError, checked, final_number_score, load_function, resolve_compute_score
+from flwr_verl.engine.trainer import LocalPPOTrainer
 
 REWARD_FILE = '''
 def exact(data_source, solution_str, ground_truth, extra_info=None):
@@ -78,7 +78,7 @@ def test_final_number_score_reads_the_last_number_of_the_reply(response, truth, 
 
 
 def test_a_built_in_scorer_is_chosen_by_import_path_as_verl_takes_it():
-    reward = RewardConfig(path="pkg://flwr_verl.rewards", name="final_number_score")
+    reward = RewardConfig(path="pkg://flwr_verl.engine.rewards", name="final_number_score")
     score = resolve_compute_score(reward, DataConfig())
     assert score.__wrapped__ is final_number_score
     assert score("any", "The answer is 5.", "5") == 0.5
@@ -135,7 +135,7 @@ def test_bad_reward_stops_training_naming_function_and_prompt(setup, function, d
 
 
 def test_reasoning_gym_task_rows_are_verl_rows_scored_by_its_own_checker():
-    from flwr_verl.data import task_compute_score, task_rows, validate_row
+    from flwr_verl.engine.data import task_compute_score, task_rows, validate_row
 
     rows = task_rows("reasoning_gym:chain_sum", 4, seed=0, split="train")
     score = task_compute_score("reasoning_gym:chain_sum")

@@ -11,8 +11,8 @@ import torch
 
 from flwr_verl.config import RolloutConfig
 from flwr_verl.embedded import arithmetic_rows
-from flwr_verl.models import load_tokenizer
-from flwr_verl.rollout import generate
+from flwr_verl.engine.models import load_tokenizer
+from flwr_verl.engine.rollout import generate
 
 
 class ScriptedModel(torch.nn.Module):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from flwr_verl.config import ConfigError, DataConfig, FlwrVerlError, SecAggConfig
-from flwr_verl.secagg import (
+from flwr_verl.federation.secagg import (
     MAX_CLIENTS,
     MAX_QUANTIZATION_RANGE,
     MODULUS_RANGE,
@@ -69,9 +69,9 @@ def test_the_strategy_refuses_to_sample_more_clients_than_the_modulus_holds():
     from flwr.common import ndarrays_to_parameters
 
     from flwr_verl.config import FederationConfig
-    from flwr_verl.protocol import SecAggBounds
-    from flwr_verl.strategy import FedProxAdapters
-    from flwr_verl.inprocess import InProcessClients
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
 
     initial = [np.zeros(2, np.float32)]
     strategy = FedProxAdapters(FederationConfig(min_fit_clients=3, min_available_clients=3), initial,

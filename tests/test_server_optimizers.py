@@ -12,14 +12,14 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from flwr_verl.checkpoint import load_state, save_state
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig, engine_config
-from flwr_verl.data import load_rows
-from flwr_verl.models import build_models
-from flwr_verl.protocol import STATUS_OK, FitReport
-from flwr_verl.strategy import FedProxAdapters
-from flwr_verl.inprocess import InProcessClients, fit_round
+from flwr_verl.engine.data import load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.federation.checkpoint import load_state, save_state
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import STATUS_OK, FitReport
+from flwr_verl.federation.strategy import FedProxAdapters
 
 ROUNDS, LOCAL_ITERATIONS = 4, 4
 # Measured on 2026-12-02 with these settings and the embedded model of recipe version 3 (held-out

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flwr.common import Code, FitRes, GetPropertiesRes, Status, ndarrays_to_parameters
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients, fit_round
-from flwr_verl.protocol import (
+from flwr_verl.engine.data import load_rows
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.protocol import (
     STATUS_OK,
     EvaluateConfig,
     FitConfig,
@@ -24,7 +24,8 @@ from flwr_verl.protocol import (
     PreflightReport,
     SecAggBounds,
 )
-from flwr_verl.strategy import FedProxAdapters, PreflightFailed, RoundFailed
+from flwr_verl.federation.rounds import PreflightFailed, RoundFailed
+from flwr_verl.federation.strategy import FedProxAdapters
 
 SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 

@@ -8,14 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flwr_verl.client import VerlClient
 from flwr_verl.config import ConfigError, parse_run_config
-from flwr_verl.data import DataError
-from flwr_verl.inprocess import InProcessClients, evaluate_round, fit_round
-from flwr_verl.rundir import RunDirectory
-from flwr_verl.sft import LocalSFTTrainer, SFTUnit, load_sft_files, load_units, unit_batch
+from flwr_verl.engine.data import DataError
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, evaluate_round, fit_round
+from flwr_verl.federation.rundir import RunDirectory
+from flwr_verl.federation.strategy import FedProxAdapters
 from flwr_verl.stages import build_stage_models
-from flwr_verl.strategy import FedProxAdapters
+from flwr_verl.stages.sft import LocalSFTTrainer, SFTUnit, load_sft_files, load_units, unit_batch
 from tests.unit_independence import assert_units_are_independent
 
 CLIENTS = 3
@@ -183,8 +183,8 @@ def test_the_final_sft_adapter_starts_the_policy_stage_bit_exactly(sft_run):
 def test_the_policy_stage_starts_where_sft_ended_on_the_same_held_out_prompts(sft_run):
     """On the embedded task the two stages hold the same held-out prompts, and SFT's exact match
     is the policy's rule reward: the policy stage's round 0 reports SFT's last figure."""
-    from flwr_verl.data import load_rows
-    from flwr_verl.trainer import LocalPPOTrainer
+    from flwr_verl.engine.data import load_rows
+    from flwr_verl.engine.trainer import LocalPPOTrainer
 
     engine = sft_run_config(**{"stage": "policy", "model.init_adapter": str(sft_run["final"] / "policy")}).engine
     models = build_stage_models(engine)

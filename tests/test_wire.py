@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flwr_verl.config import parse_run_config
-from flwr_verl.models import build_models
+from flwr_verl.engine.models import build_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from federation_wire import measure_wire  # noqa: E402

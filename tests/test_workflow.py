@@ -11,19 +11,27 @@ from types import SimpleNamespace
 import flwr.compat.common.recorddict_compat as compat
 import pytest
 from flwr.app import Error
-from flwr.common import Code, EvaluateRes, GetPropertiesRes, MessageType, Status, ndarrays_to_parameters
+from flwr.common import (
+    Code,
+    EvaluateRes,
+    GetPropertiesRes,
+    MessageType,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
 from flwr.common.constant import ErrorCode, MessageTypeLegacy
-from flwr.common import parameters_to_ndarrays
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 
-from flwr_verl import workflow
-from flwr_verl.client import VerlClient
 from flwr_verl.config import parse_run_config
-from flwr_verl.data import load_rows
-from flwr_verl.inprocess import InProcessClients
-from flwr_verl.mods import describe
-from flwr_verl.rundir import RunDirectory
-from flwr_verl.strategy import FedProxAdapters, PreflightFailed
+from flwr_verl.engine.data import load_rows
+from flwr_verl.federation import workflow
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients
+from flwr_verl.federation.mods import describe
+from flwr_verl.federation.rounds import PreflightFailed
+from flwr_verl.federation.rundir import RunDirectory
+from flwr_verl.federation.strategy import FedProxAdapters
 
 FEDERATION = {"min-fit-clients": 3, "min-evaluate-clients": 3, "min-available-clients": 3, "secagg.enabled": False}
 
@@ -57,7 +65,7 @@ def first_round(clients: dict, cids: list[str], tmp_path, monkeypatch, **federat
                 else:
                     loss, n, metrics = client.evaluate(parameters_to_ndarrays(ins.parameters), ins.config)
                     results.append((proxy, EvaluateRes(Status(Code.OK, ""), loss, n, metrics)))
-            except Exception as error:  # as flwr_verl.mods.concise_errors replies
+            except Exception as error:  # as flwr_verl.federation.mods.concise_errors replies
                 failures.append(Exception(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                                 f"partition {client.partition_id}: {describe(error)}")))
         return results, failures

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flwr_verl.config import PrivacyConfig
-from flwr_verl.privacy import make_private, pool_rows
+from flwr_verl.privacy.dpsgd import make_private, pool_rows
 
 
 def assert_units_are_independent(trainer, units: list) -> None:

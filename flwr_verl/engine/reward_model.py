@@ -1,0 +1,228 @@
+"""A learned reward model, local to each client: verl's ``reward_model`` on one node.
+
+The reward model is a local Hugging Face ``AutoModelForSequenceClassification`` directory with
+one label, as TRL's ``RewardTrainer`` saves it (or a PEFT ``SEQ_CLS`` adapter on such a model,
+or the merged directory that stage 1, ``flwr_verl.stages.preference``, writes). It scores prompt plus
+response, as verl's reward-model worker does:
+
+1. the response is decoded with the policy's tokenizer and re-encoded with the reward model's
+   own (the two may differ), after the prompt messages and the response are rendered with the
+   reward model's chat template when its tokenizer has one (``conversation_text``);
+2. the score is the score head's output at the last non-pad token of each right-padded
+   sequence (verl: ``argmax(position_ids * attention_mask)``), in no-grad eval mode, in
+   micro-batches, on the policy's device;
+3. it goes into ``token_level_scores`` on the last response token, alone (``combine=replace``)
+   or added to ``rule_weight`` times the rule reward (``combine=add``).
+
+The model never leaves its node: the path comes from the run config or from the node's own
+``reward-model-path``, and nothing of the model is ever sent. Everything that can be wrong with
+it fails when the client is built, before any training, naming the key (``load_reward_model``,
+``RewardModel.check_fits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flwr_verl.config import ConfigError, RewardModelConfig
+from flwr_verl.engine.data import Row, prompt_text
+
+PATH_KEY = "reward_model.model.path"
+SCORE_HEAD = "score"  # the head of every decoder *ForSequenceClassification in transformers
+
+
+def conversation_text(messages: list[dict], response: str, tokenizer) -> str:
+    """Prompt plus response as the reward model reads them: the tokenizer's chat template with
+    the response as the assistant's turn when it has one, else the prompt as the policy sees it
+    (``data.prompt_text``), the response and the EOS token that ends the turn, as a chat
+    template ends it. The score is read at that closing token: on the embedded task (no DP,
+    tune split, steps of 64 prompts) 0.77 pairwise accuracy after 160 steps, against 0.71 after
+    200 when read at the response's last character (whose state is a next-token prediction)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": response}],
+                                             tokenize=False)
+    return prompt_text({"prompt": messages}, tokenizer) + response + (tokenizer.eos_token or "")
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head's output at each sequence's last attended token: (B,) from (B, T).
+
+    transformers pools at the last token that is not ``pad_token_id``, which is wrong when the
+    pad token is the EOS that ends a sequence; verl's worker reads the last position of the
+    attention mask. The head's per-token output is taken with a forward hook (it works the
+    same on a PEFT-wrapped head), so gradients flow through it for training (stage 1)."""
+    captured: list[torch.Tensor] = []
+    handle = getattr(model, SCORE_HEAD).register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        handle.remove()
+    per_token = captured[-1].squeeze(-1)  # (B, T)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask).argmax(dim=-1)
+    return per_token[torch.arange(per_token.shape[0], device=per_token.device), last]
+
+
+@dataclass
+class RewardModel:
+    """A loaded reward model and its own tokenizer (right-padded). ``key`` names where its path
+    came from (the run config's ``reward_model.model.path`` or the node config's
+    ``reward-model-path``), for error messages."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    max_length: int | None  # positions the model holds (None: unbounded)
+    key: str
+    path: str
+
+    def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids and attention mask on the model's device; a sequence longer than
+        the model holds is an error, never cut."""
+        encoded = self.tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+        lengths = encoded["attention_mask"].sum(-1)
+        if self.max_length is not None and int(lengths.max()) > self.max_length:
+            raise ConfigError(
+                f"{self.key}={self.path!r}: a prompt plus response of {int(lengths.max())} reward-model tokens is "
+                f"longer than the model's {self.max_length} positions; shorten data.max_prompt_length or "
+                "rollout.response_length, or use a reward model with more positions")
+        device = next(self.model.parameters()).device
+        return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+
+    @torch.no_grad()
+    def score(self, texts: list[str], micro_batch_size: int) -> torch.Tensor:
+        """Scores of ``texts`` (B,), ``micro_batch_size`` sequences per forward pass."""
+        self.model.eval()
+        scores = [sequence_scores(self.model, *self.encode(texts[start: start + micro_batch_size]))
+                  for start in range(0, len(texts), micro_batch_size)]
+        return torch.cat(scores).float() if scores else torch.zeros(0)
+
+    def check_fits(self, rows: list[Row], response_length: int) -> None:
+        """The longest prompt of ``rows`` with an empty response, in the reward model's tokens,
+        plus ``rollout.response_length`` must fit its positions."""
+        if self.max_length is None or not rows:
+            return
+        texts = [conversation_text(list(row["prompt"]), "", self.tokenizer) for row in rows]
+        longest = max(len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        if longest + response_length > self.max_length:
+            raise ConfigError(
+                f"{self.key}={self.path!r}: the reward model holds {self.max_length} positions, but the longest "
+                f"prompt takes {longest} of its tokens and rollout.response_length={response_length} more; "
+                "allowed: prompt + response <= the reward model's max_position_embeddings")
+
+
+def _classifier_config(path: str, key: str, shown: str):
+    """The model config at ``path``, which must describe a one-label sequence classifier."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}={shown!r} is not a loadable Hugging Face model directory: {error}") from error
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(name.endswith("ForSequenceClassification") for name in architectures) or config.num_labels != 1:
+        raise ConfigError(
+            f"{key}={shown!r} is not a reward model: expected an AutoModelForSequenceClassification with one label "
+            f"(as TRL's RewardTrainer saves it), found architectures={architectures} with num_labels={config.num_labels}")
+    return config
+
+
+def _load_classifier(path: str, key: str, shown: str, dtype: torch.dtype,
+                     head_from_adapter: bool = False) -> torch.nn.Module:
+    """A one-label classifier from ``path``. With ``head_from_adapter`` (the base of a PEFT
+    adapter that saves the score head) any model with a sequence-classification variant will
+    do, a causal LM included: the adapter brings the head."""
+    from transformers import AutoModelForSequenceClassification
+
+    if not head_from_adapter:
+        _classifier_config(path, key, shown)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                   local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"{key}={shown!r} cannot be loaded as a sequence classifier: {error}") from error
+    if not isinstance(getattr(model, SCORE_HEAD, None), torch.nn.Module):
+        raise ConfigError(f"{key}={shown!r}: {type(model).__name__} has no '{SCORE_HEAD}' head; expected a "
+                          "decoder sequence classifier (Llama, Qwen2, Mistral, GPT-2, ...)")
+    return model
+
+
+def _tokenizer(path: Path, key: str, shown: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"{key}={shown!r} has no usable tokenizer: {error}") from error
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"{key}={shown!r}: its tokenizer has no pad token and no EOS token to pad with; "
+                              "set one (tokenizer.pad_token = ...) and save it again")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"  # the score is read at the last attended token
+    return tokenizer
+
+
+def load_reward_model(path: str, device: torch.device, *, key: str = PATH_KEY,
+                      dtype: torch.dtype = torch.float32) -> RewardModel:
+    """Load the reward model at ``path`` (a merged classifier directory, or a PEFT adapter whose
+    base is one) onto ``device``, frozen and in eval mode. ``key`` names the setting in errors."""
+    if not path:
+        raise ConfigError(f"reward_model.enable=true needs {PATH_KEY} (or this node's node-config "
+                          "reward-model-path): the directory of a local reward model")
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"{key}={path!r} is invalid: must be an existing local reward-model directory")
+    if (directory / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        adapter = PeftConfig.from_pretrained(str(directory))
+        if str(getattr(adapter, "task_type", "")) not in ("SEQ_CLS", "TaskType.SEQ_CLS"):
+            raise ConfigError(f"{key}={path!r}: a PEFT adapter of task_type={adapter.task_type!r}; a reward "
+                              "model adapter has task_type='SEQ_CLS'")
+        if SCORE_HEAD not in set(getattr(adapter, "modules_to_save", None) or []):
+            raise ConfigError(f"{key}={path!r}: the adapter does not save the '{SCORE_HEAD}' head "
+                              f"(modules_to_save={adapter.modules_to_save!r}), so its score would be untrained; "
+                              f"train it with modules_to_save=['{SCORE_HEAD}']")
+        base_path = adapter.base_model_name_or_path or ""
+        base = _load_classifier(base_path, key, f"{path} (its base {base_path})", dtype, head_from_adapter=True)
+        model = PeftModel.from_pretrained(base, str(directory))
+        tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() else Path(base_path)
+    else:
+        model = _load_classifier(str(directory), key, path, dtype)
+        tokenizer_dir = directory
+    tokenizer = _tokenizer(tokenizer_dir, key, path)
+    if model.config.pad_token_id is None:  # transformers refuses batches > 1 without one
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.requires_grad_(False)
+    model.to(device).eval()
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    return RewardModel(model=model, tokenizer=tokenizer, max_length=limit, key=key, path=path)
+
+
+@dataclass
+class LearnedReward:
+    """verl's reward contract for a learned model: ``DataProto`` in, ``token_level_scores``
+    (B, R) out, the score on each response's last token. ``rule`` is the rule reward manager
+    (used with ``combine=add`` only)."""
+
+    reward_model: RewardModel
+    policy_tokenizer: object
+    config: RewardModelConfig
+    rule: object = None
+
+    def __call__(self, batch) -> torch.Tensor:
+        responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+        lengths = mask.sum(-1).long()
+        decoded = self.policy_tokenizer.batch_decode(
+            [row[:length].tolist() for row, length in zip(responses, lengths)], skip_special_tokens=True)
+        texts = [conversation_text(list(messages), response, self.reward_model.tokenizer)
+                 for messages, response in zip(batch.non_tensor_batch["raw_prompt"], decoded)]
+        scores = self.reward_model.score(texts, self.config.micro_batch_size).to(responses.device)
+        token_level = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+        token_level[torch.arange(len(texts), device=responses.device), (lengths - 1).clamp(min=0)] = scores
+        if self.config.combine == "add":
+            token_level = token_level + self.config.rule_weight * self.rule(batch).to(token_level)
+        return token_level

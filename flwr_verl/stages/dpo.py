@@ -1,0 +1,203 @@
+"""Stage ``dpo``: direct preference optimisation of the LoRA policy on preference pairs, one
+client's part (Rafailov et al., 2023, "Direct Preference Optimization: Your Language Model is
+Secretly a Reward Model"). Its final adapter is a policy, and, through its implicit reward, a
+verifier for a later ``policy`` stage.
+
+**Data.** Stage ``reward_model``'s: TRL's preference format (``prompt``, ``chosen``,
+``rejected``; standard or conversational) or the embedded task's pairs (``preference.load_units``).
+A prompt with all its pairs is one **privacy unit** (``preference.PreferenceUnit``).
+
+**Sequences.** As stage ``sft`` reads a response (``sft.response_batch``): the prompt as the
+policy sees it when it generates, cut from the left to ``data.max_prompt_length`` tokens, then
+the response and EOS. A response's log-probability log pi(y|x) is the sum over its tokens and EOS.
+The chosen and rejected responses of a mini-batch's units go through one forward pass.
+
+**Reference.** The same LoRA policy with its adapter disabled (``peft``'s ``disable_adapter``),
+as TRL's ``DPOTrainer`` does for a new adapter: no second model in memory. With
+``model.init_adapter`` set (e.g. a stage-sft adapter) the reference is still the base: the
+policy starts from the SFT adapter, and DPO's KL term anchors it at the base model.
+
+**Losses** (``DPO_LOSSES``, each (P,) per pair from the log-ratios h = log pi - log pi_ref of the
+chosen (w) and rejected (l) responses, as TRL 1.16's ``DPOTrainer`` computes them):
+
+- ``sigmoid`` (DPO): -log sigmoid(beta (h_w - h_l));
+- ``ipo`` (Azar et al., 2023): ((h_w / |y_w| - h_l / |y_l|) - 1 / (2 beta))^2, length-normalised
+  as TRL and the IPO authors do;
+- ``cdpo`` (conservative DPO, Mitchell 2023: labels flipped with probability epsilon =
+  ``dpo.label_smoothing``): -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d);
+- ``robust`` (Chowdhury et al., 2024, TRL's ``robust``): cdpo's terms debiased,
+  (-(1 - eps) log sigmoid(beta d) + eps log sigmoid(-beta d)) / (1 - 2 eps).
+
+**Objective under DP.** Each unit's loss is the mean over its pairs, the mini-batch loss the mean
+over units: a unit's term depends on its own pairs alone, so Opacus's per-row gradients, pooled
+per unit (``privacy.pool_rows``), are each unit's gradient. The reference pass runs without
+gradients, so it adds nothing to what DP-SGD clips. The loop, the accounting, FedProx, SecAgg+
+and the run directory are the other stages' (``supervised.UnitTrainer``).
+
+**Evaluation.** On held-out pairs (their prompts are in no training split): ``accuracy`` is the
+share of pairs whose implicit reward beta h ranks chosen above rejected, ``reward`` the mean of
+sigmoid(beta (h_w - h_l)). In the training summary ``pg_loss`` is the DPO loss and
+``reward_mean`` the training pairs' accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flwr_verl.config import ConfigError, EngineConfig
+from flwr_verl.engine.evaluation import Evaluation
+from flwr_verl.engine.models import Models, build_models
+from flwr_verl.privacy.dpsgd import unit_means
+from flwr_verl.stages import Stage
+from flwr_verl.stages.preference import PreferenceUnit, load_units
+from flwr_verl.stages.sft import ResponseBatch, response_batch, response_log_probs, response_sequences
+from flwr_verl.stages.supervised import UnitLoss, UnitTrainer
+
+
+# ----------------------------------------------------------------------------- losses
+@dataclass(frozen=True)
+class PairLogRatios:
+    """log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected response, and their token
+    counts (response tokens and EOS), (P,) each."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+DPOLoss = Callable[[PairLogRatios, float, float], torch.Tensor]  # (ratios, beta, label_smoothing) -> (P,)
+DPO_LOSSES: dict[str, DPOLoss] = {}
+
+
+def register_dpo_loss(name: str) -> Callable[[DPOLoss], DPOLoss]:
+    """Add a preference loss to ``DPO_LOSSES`` under ``name`` (``dpo.loss`` picks it). Every loss
+    here is per pair, so safe under DP when pooled per unit."""
+    def register(fn: DPOLoss) -> DPOLoss:
+        DPO_LOSSES[name] = fn
+        return fn
+    return register
+
+
+@register_dpo_loss("sigmoid")
+def sigmoid_loss(ratios: PairLogRatios, beta: float, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * (ratios.chosen - ratios.rejected))
+
+
+@register_dpo_loss("ipo")
+def ipo_loss(ratios: PairLogRatios, beta: float, label_smoothing: float) -> torch.Tensor:
+    delta = ratios.chosen / ratios.chosen_tokens.clamp(min=1) - ratios.rejected / ratios.rejected_tokens.clamp(min=1)
+    return (delta - 1 / (2 * beta)) ** 2
+
+
+@register_dpo_loss("cdpo")
+def conservative_loss(ratios: PairLogRatios, beta: float, label_smoothing: float) -> torch.Tensor:
+    margin = beta * (ratios.chosen - ratios.rejected)
+    return -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+
+
+@register_dpo_loss("robust")
+def robust_loss(ratios: PairLogRatios, beta: float, label_smoothing: float) -> torch.Tensor:
+    margin = beta * (ratios.chosen - ratios.rejected)
+    return (-(1 - label_smoothing) * F.logsigmoid(margin) + label_smoothing * F.logsigmoid(-margin)) \
+        / (1 - 2 * label_smoothing)
+
+
+# ----------------------------------------------------------------------------- sequences
+def pair_examples(units: Sequence[PreferenceUnit]) -> tuple[list[tuple[list[dict], str]], list[int]]:
+    """The rows of one forward pass: every chosen response of ``units`` (pair by pair, unit by
+    unit), then every rejected one in the same order; and each row's unit (0..U-1)."""
+    chosen = [(i, (unit.prompt, c)) for i, unit in enumerate(units) for c, _ in unit.pairs]
+    rejected = [(i, (unit.prompt, r)) for i, unit in enumerate(units) for _, r in unit.pairs]
+    rows = chosen + rejected
+    return [example for _, example in rows], [i for i, _ in rows]
+
+
+def sequence_log_probs(model: torch.nn.Module, batch: ResponseBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log pi(response + EOS | prompt) and its token count, (R,) each."""
+    log_prob, mask = response_log_probs(model, batch)
+    return (log_prob * mask).sum(-1), mask.sum(-1)
+
+
+def pair_log_ratios(model, batch: ResponseBatch) -> PairLogRatios:
+    """The policy's log-ratios to its adapter-disabled self (the reference) on ``batch``'s rows
+    (``pair_examples``: P chosen, then P rejected). Gradients flow through the policy's pass only."""
+    policy, tokens = sequence_log_probs(model, batch)
+    with torch.no_grad(), model.disable_adapter():
+        reference, _ = sequence_log_probs(model, batch)
+    ratio = policy - reference
+    pairs = len(ratio) // 2
+    return PairLogRatios(ratio[:pairs], ratio[pairs:], tokens[:pairs], tokens[pairs:])
+
+
+# ----------------------------------------------------------------------------- the local trainer
+class LocalDPOTrainer(UnitTrainer):
+    """DPO on one client's preference units, updating only the policy's LoRA weights, in the
+    fixed-data loop of ``supervised.UnitTrainer`` (so ``VerlClient`` runs it as any stage)."""
+
+    def __init__(self, config: EngineConfig, train_units: list[PreferenceUnit], *,
+                 models: Models | None = None) -> None:
+        models = models or build_models(config.model, with_critic=False, seed=config.trainer.seed)
+        super().__init__(config, train_units, models, models.policy)
+        self.tokenizer = models.tokenizer
+        self.loss = DPO_LOSSES[config.dpo.loss]
+
+    def _ratios(self, units: Sequence[PreferenceUnit]) -> tuple[PairLogRatios, torch.Tensor]:
+        examples, unit_of_row = pair_examples(units)
+        batch = response_batch(examples, unit_of_row, len(units), self.tokenizer, self.config.data.max_prompt_length,
+                               self.models.device)
+        return pair_log_ratios(self.model, batch), batch.unit_of_row
+
+    def unit_loss(self, units: list[PreferenceUnit]) -> UnitLoss:
+        ratios, unit_of_row = self._ratios(units)
+        dpo = self.config.dpo
+        unit_of_pair = unit_of_row[: len(ratios.chosen)]
+        loss = unit_means(self.loss(ratios, dpo.beta, dpo.label_smoothing), unit_of_pair, len(units)).mean()
+        return UnitLoss(loss, unit_of_row, {"pg_loss": loss.item(),
+                                            "reward_mean": (ratios.chosen > ratios.rejected).float().mean().item()})
+
+    @torch.no_grad()
+    def evaluate(self, units: list[PreferenceUnit], micro_batch_size: int = 32) -> Evaluation | None:
+        """Pairwise accuracy of the implicit reward and its mean sigmoid margin on held-out ``units``."""
+        if not units:
+            return None
+        self.model.eval()
+        margins = []
+        for start in range(0, len(units), micro_batch_size):
+            ratios, _ = self._ratios(units[start: start + micro_batch_size])
+            margins.append(self.config.dpo.beta * (ratios.chosen - ratios.rejected))
+        margin = torch.cat(margins)
+        return Evaluation(reward=torch.sigmoid(margin).mean().item(), accuracy=(margin > 0).float().mean().item())
+
+
+def check_unit_lengths(config: EngineConfig, models: Models, units: list[PreferenceUnit]) -> None:
+    """Before any training: every prompt (cut to ``data.max_prompt_length``) plus a response and
+    EOS must fit the model's positions."""
+    limit = getattr(models.policy.config, "max_position_embeddings", None)
+    if limit is None or not units:
+        return
+    examples, _ = pair_examples(units)
+    longest = max(len(ids) for ids, _ in response_sequences(examples, models.tokenizer, config.data.max_prompt_length))
+    if longest > limit:
+        raise ConfigError(f"data.max_prompt_length={config.data.max_prompt_length}: a preference prompt (cut to that "
+                          f"many tokens) plus a response and EOS takes {longest} tokens, more than the model's {limit} "
+                          "positions; shorten the responses or lower data.max_prompt_length")
+
+
+def make_trainer(config: EngineConfig, train_units: list[PreferenceUnit], val_units: list[PreferenceUnit],
+                 models: Models):
+    check_unit_lengths(config, models, train_units + val_units)
+    return LocalDPOTrainer(config, train_units, models=models)
+
+
+STAGE = Stage(
+    build_models=lambda config: build_models(config.model, config.needs_critic, seed=config.trainer.seed),
+    load_units=lambda config, split, seed, partition_id, num_partitions: load_units(
+        config.data, split, seed, partition_id, num_partitions),
+    unit_trainer=make_trainer,
+    prompt_of=lambda unit: unit.prompt,
+)
