@@ -11,7 +11,7 @@
   ``--small-epsilon``: the bound must never exceed the claim. r guesses can bound epsilon at
   logit(0.05^(1/r)) at most (3.04 at r = 64), so only a claim below that can be refuted.
 
-The configuration is the small one of ``tests/test_audit.py``: two clients of 16 task prompts,
+The configuration is the small one of ``tests/privacy/test_audit.py``: two clients of 16 task prompts,
 8 responses per prompt, ``--rounds`` rounds of ``--local-iterations`` iterations; m =
 ``--canaries`` of ``--kind`` (gradient: in client 0's update; prompt: in its prompts), r =
 ``--guesses``. Medians and ranges are over ``--seeds`` (the audit's seed: which canaries, which
@@ -38,7 +38,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The small configuration (tests/test_audit.py uses the same, with fewer iterations and canaries).
+# The small configuration (tests/privacy/test_audit.py uses the same, with fewer iterations and canaries).
 SMALL = {
     "data": {"train_size": 16, "val_size": 8, "train_batch_size": 16},
     "rollout": {"n": 8, "response_length": 3},

@@ -5,7 +5,7 @@ Two measurements, each printed and written to ``--out/client_level_dp.json``:
 1. ``discretisation`` (numpy only, seconds): ``--clients`` clients' updates of ``--dim``
    parameters (a LoRA-sized adapter; Gaussian entries plus a few large coordinates, then clipped
    to C) go through the whole pipeline: clip, rotate, scale, conditional rounding, Skellam shares,
-   the modular sum (what SecAgg+ computes exactly, ``tests/test_distributed_dp.py``), decode.
+   the modular sum (what SecAgg+ computes exactly, ``tests/privacy/test_distributed_dp.py``), decode.
    Against it, the same clipped mean with Gaussian noise of the *same* variance added centrally
    (what a trusted server would do). Reported per bit width, with and without rotation: the RMS
    error of each against the exact clipped mean over ``--trials`` trials (median and range), their

@@ -20,7 +20,7 @@ Isolation: the child has its own FLWR_HOME and Ray temp dir (``deploy.launch.bas
 ``deploy.simulation.ray_env``), Ray binds to 127.0.0.1 (``_node_ip_address``), the listening
 sockets of all its processes are recorded, and every process that carries the run's marker in
 its environment is killed afterwards. Used by ``secagg_overhead.py``, ``secagg_precision.py`` and
-``tests/test_secagg.py``.
+``tests/federation/test_secagg.py``.
 
 The benchmark scripts import this file as the top-level module ``secagg_harness`` (their folder
 is on ``sys.path``), not as ``benchmarks.secagg_harness``: Opacus installs a top-level package

@@ -21,7 +21,7 @@ clipping range fitted to the deltas (0.5). Errors are max and rms |.| against th
 FedAvg of the clients' new weights, for the new global adapter (the strategy's float64 state);
 ``error_vs_plain`` isolates the protocol's own error from the update's format, and
 ``bound_quantization_step`` is SecAgg+'s quantization step at that clipping range.
-``tests/test_secagg.py`` runs the same spec and checks these errors against their bounds.
+``tests/federation/test_secagg.py`` runs the same spec and checks these errors against their bounds.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ _SPECIAL = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_
 # Xeon with AMX, whose oneDNN kernels ``PORTABLE_KERNELS`` do not pin (its build started the
 # default job at 0.370 held-out accuracy instead of 0.453): hence shipping the bits, not the recipe.
 SHIPPED = Path(__file__).resolve().parent / "shipped"
+SHIPPED_IN_PACKAGE = Path("flwr_verl", "embedded", "shipped")  # where SHIPPED lies in any copy of the package
 MANIFEST = "manifest.json"
 DISTRIBUTION = "flwr-verl"
 
@@ -124,13 +125,13 @@ def verify_model_dir(directory: Path, files: dict[str, str]) -> str | None:
 def _candidate_dirs() -> list[Path]:
     found = [SHIPPED]
     for entry in sys.path:
-        found.append(Path(entry or ".").resolve() / "flwr_verl" / "embedded_model")
+        found.append(Path(entry or ".").resolve() / SHIPPED_IN_PACKAGE)
     with contextlib.suppress(Exception):  # an editable install: its source tree, from direct_url.json
         from importlib.metadata import distribution
 
         url = json.loads(distribution(DISTRIBUTION).read_text("direct_url.json") or "{}").get("url", "")
         if url.startswith("file://"):
-            found.append(Path(url.removeprefix("file://")) / "flwr_verl" / "embedded_model")
+            found.append(Path(url.removeprefix("file://")) / SHIPPED_IN_PACKAGE)
     unique = []
     for directory in found:
         if directory not in unique and (directory == SHIPPED or (directory / "model.safetensors").exists()):
@@ -199,7 +200,7 @@ def build_embedded_model(out_dir: Path, recipe: dict[str, Any] | None = None) ->
     _say(f"building the embedded model (tiny Llama, {recipe['warm_start_steps']} warm-start steps on "
          f"train-split a+b problems; about 10-40 s) in {out_dir.parent}")
     command = [sys.executable, "-m", "flwr_verl.embedded", _CHILD, str(out_dir), json.dumps(recipe)]
-    package_root = str(Path(__file__).resolve().parents[1])  # the child imports this very flwr_verl
+    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very flwr_verl
     env = {**os.environ, **PORTABLE_KERNELS,
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:

@@ -50,7 +50,7 @@ finally:
 
 # ----------------------------------------------------------------------------- from ray_trainer
 # verl's driver functions of the same names and signatures (verl.trainer.ppo.ray_trainer),
-# restated for the estimators flwr-verl offers; tests/test_lean_imports.py checks them against
+# restated for the estimators flwr-verl offers; tests/engine/test_lean.py checks them against
 # verl's own.
 def compute_response_mask(data: DataProto) -> torch.Tensor:
     """The attention mask over the response tokens: (bs, R)."""

@@ -69,7 +69,7 @@ def fit_round(strategy: FedProxAdapters, manager: InProcessClients, server_round
     ``secure``: SecAgg+'s arithmetic without its masking or quantization: the strategy gets every
     ``FitRes`` carrying the num_examples-weighted mean of the updates, as ``SecAggPlusWorkflow``
     hands it over. For client-level DP's integers (weight 1) that is Flower's result exactly
-    (``tests/test_distributed_dp.py`` compares with real SecAgg+)."""
+    (``tests/privacy/test_distributed_dp.py`` compares with real SecAgg+)."""
     results = []
     for proxy, ins in strategy.configure_fit(server_round, ndarrays_to_parameters(strategy.global_arrays), manager):
         update, num_examples, metrics = manager.clients[proxy.cid].fit(parameters_to_ndarrays(ins.parameters),

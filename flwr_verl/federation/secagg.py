@@ -42,7 +42,7 @@ that packed k-bit integers would need.
 The bound holds only for float64 updates: ``secaggplus_mod`` weights, shifts and scales the
 update in the dtype it receives, so a float32 update is first rounded to float32's resolution at
 ``clipping_range`` (2**-23 * clipping_range, 1.2e-7 at 1), and the aggregate then misses exact
-FedAvg by about 1e-7 (measured 1.1e-7 through real SecAgg+, ``tests/test_secagg.py``). Send
+FedAvg by about 1e-7 (measured 1.1e-7 through real SecAgg+, ``tests/federation/test_secagg.py``). Send
 ``exact_update(new, old)``: float64, and exact for float32 weights. Under SecAgg+ this costs no
 bandwidth: what travels is the masked int64 vector either way.
 """

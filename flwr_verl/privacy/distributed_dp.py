@@ -33,7 +33,7 @@ forms a sum without the clients' noise.
 stochastic rounding leaves as it is (``federation.secagg.integer_secagg_parameters``). The workflow returns
 ``sum(x_i) / k`` for k survivors; multiplied by k and rounded it is ``sum(x_i)`` exactly while
 ``|sum| < 2**52 / k`` (here at most 2**40). So the secure sum is the sum of the clients' noisy
-integers, bit for bit (``tests/test_distributed_dp.py`` checks it through real SecAgg+).
+integers, bit for bit (``tests/privacy/test_distributed_dp.py`` checks it through real SecAgg+).
 
 **Modular range.** ``bits`` sets the modulus 2**bits of DDGauss's modular arithmetic, and of
 Flower's quantization range (at most 2**30: Flower rounds through int32; and k * 2**bits must stay

@@ -19,7 +19,7 @@ A sample is one privacy unit: ``rows_per_unit`` adjacent rows of the loss.
   or functorch for ``grad_sample_mode="functorch"`` and for layer types without one), fed the
   activations and the backprops scaled as for ``loss_reduction="mean"``: the values Opacus's
   hooks give, bit for bit, on a forward that runs every layer on all rows
-  (``tests/test_privacy.py`` checks it).
+  (``tests/privacy/test_privacy.py`` checks it).
 * **Per unit** (``rows_per_unit=n``: a prompt and its n responses, the PPO update's unit): the
   sum over each unit's rows of their per-row gradients, computed without them. A linear layer
   acts on each position alone and its weight gradient is a sum over positions, so for
@@ -38,7 +38,7 @@ That is safe for DP: Opacus's ``DPOptimizer`` still clips each unit's gradient t
 ``max_grad_norm`` before summing and noising, and each unit's gradient is still computed from that
 unit's rows alone (every sum stays inside the unit), so one unit's influence on the noised sum is
 at most ``max_grad_norm`` whatever its rounding: the sensitivity is unchanged.
-(``tests/test_privacy.py`` checks each unit's gradient against the unit computed alone and against
+(``tests/privacy/test_privacy.py`` checks each unit's gradient against the unit computed alone and against
 its pooled per-row gradients.)
 Clipping, noise and the optimizer step stay Opacus's ``DPOptimizer``.
 """

@@ -143,7 +143,7 @@ FLAWS = ("unclipped_noiseless", "unpooled")
 def broken_mechanism(flaw: str = "unclipped_noiseless"):
     """A deliberately broken DP mechanism, to check that the audit has power (never for training);
     the accountant still records the configured noise multiplier, so the claimed epsilon is a lie
-    that an audit with power exposes (``benchmarks/audit_power.py``, ``tests/test_audit.py``).
+    that an audit with power exposes (``benchmarks/audit_power.py``, ``tests/privacy/test_audit.py``).
 
     ``unclipped_noiseless``: the trainer's DP optimizer clips at 1e6 and adds no noise.
     ``unpooled``: no per-prompt pooling: Opacus clips each response's gradient on its own, so a

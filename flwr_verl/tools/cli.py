@@ -54,7 +54,7 @@ from flwr_verl.tools.baseline import read_run_config
 
 # The Flower app this package ships with: the repository's pyproject.toml (a source checkout or
 # an editable install). Elsewhere pass --app.
-APP_DIR = Path(__file__).resolve().parents[1]
+APP_DIR = Path(__file__).resolve().parents[2]
 EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 1, 2, 3
 COMPLETED = "finished:completed"  # the status Flower's SuperLink gives a run that ended normally
 

@@ -1,4 +1,4 @@
-"""TRL's side of tests/test_dpo.py, run with the TRL venv's python (never imported by the project).
+"""TRL's side of tests/stages/test_dpo.py, run with the TRL venv's python (never imported by the project).
 
 Reads a JSON list of cases from stdin, each {"loss_type", "beta", "label_smoothing",
 "per_token": [[...]] (2P rows of the policy's per-token log-probs, 0 off the completion), "mask":

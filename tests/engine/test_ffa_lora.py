@@ -23,7 +23,7 @@ from flwr_verl.federation.inprocess import InProcessClients, fit_round
 from flwr_verl.federation.protocol import PreflightConfig
 from flwr_verl.federation.strategy import FedProxAdapters
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import lora_aggregation  # noqa: E402  (the benchmark's measure is the one tested)
 
 DP = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True}

@@ -16,7 +16,7 @@ import pytest
 from flwr_verl.config import parse_run_config
 from flwr_verl.engine.models import build_models
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from federation_wire import measure_wire  # noqa: E402
 
 RUN = {"num-server-rounds": 1, "min-fit-clients": 3, "min-evaluate-clients": 3, "min-available-clients": 3,

@@ -27,7 +27,7 @@ from flwr_verl.federation.protocol import (
 from flwr_verl.federation.rounds import PreflightFailed, RoundFailed
 from flwr_verl.federation.strategy import FedProxAdapters
 
-SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 
 def fit_res(update, num_examples: int, partition_id: int) -> FitRes:

@@ -187,7 +187,7 @@ BUILD_40_STEPS_SHA256 = "a160fef159069a4afbb6a5a6c63118e0be73322c5ce83949891bd61
 def build_in_fresh_process(out: Path, threads: int, recipe: dict, **env) -> str:
     env = {**os.environ, **env}
     result = subprocess.run([sys.executable, "-c", BUILD, str(threads), str(out), json.dumps(recipe)], env=env,
-                            capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+                            capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
     return result.stderr
 
@@ -221,14 +221,14 @@ def test_the_shipped_model_is_what_every_node_loads_checked_against_its_manifest
     assert sorted(p.name for p in embedded.SHIPPED.iterdir() if p.is_file()) == sorted([*manifest["files"],
                                                                                         embedded.MANIFEST])
     # A Flower app's FAB copy of the package holds no weights: the installed copy is found and checked.
-    fab = tmp_path / "fab" / "flwr_verl" / "embedded_model"
+    fab = tmp_path / "fab" / embedded.model.SHIPPED_IN_PACKAGE
     fab.mkdir(parents=True)
     shutil.copy(embedded.SHIPPED / embedded.MANIFEST, fab)
-    installed = tmp_path / "site" / "flwr_verl" / "embedded_model"
+    installed = tmp_path / "site" / embedded.model.SHIPPED_IN_PACKAGE
     shutil.copytree(embedded.SHIPPED, installed)
-    monkeypatch.setattr(embedded, "SHIPPED", fab)
+    monkeypatch.setattr(embedded.model, "SHIPPED", fab)
     monkeypatch.setattr(sys, "path", [str(tmp_path / "fab"), str(tmp_path / "site")])
-    monkeypatch.setattr(embedded, "DISTRIBUTION", "no-such-distribution")
+    monkeypatch.setattr(embedded.model, "DISTRIBUTION", "no-such-distribution")
     assert embedded.embedded_model_path() == installed
     # An altered file is refused, naming it.
     weights = bytearray((installed / "model.safetensors").read_bytes())
@@ -236,7 +236,7 @@ def test_the_shipped_model_is_what_every_node_loads_checked_against_its_manifest
     (installed / "model.safetensors").write_bytes(bytes(weights))
     with pytest.raises(embedded.EmbeddedModelError, match=r"model\.safetensors has sha256 [0-9a-f]{64}, the manifest"):
         embedded.embedded_model_path()
-    monkeypatch.setattr(embedded, "RECIPE", {**embedded.RECIPE, "warm_start_steps": 1})
+    monkeypatch.setattr(embedded.model, "RECIPE", {**embedded.RECIPE, "warm_start_steps": 1})
     with pytest.raises(embedded.EmbeddedModelError, match="another recipe.*python -m flwr_verl.embedded"):
         embedded.embedded_model_path()
 

@@ -23,7 +23,7 @@ DPO = {"stage": "dpo", "privacy.enabled": True, "privacy.noise_multiplier": 1.0,
 # than the project, so its side runs as a subprocess of that python.
 TRL_PYTHON = Path(os.environ.get("FLWR_VERL_TRL_PYTHON",
                                  Path.home() / ".cache" / "flwr-verl" / "venv-trl" / "bin" / "python"))
-TRL_SIDE = Path(__file__).parent / "peer" / "trl_dpo_loss.py"
+TRL_SIDE = Path(__file__).resolve().parents[1] / "peer" / "trl_dpo_loss.py"
 
 
 def dpo_config(**overrides):

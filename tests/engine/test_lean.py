@@ -23,7 +23,7 @@ from flwr_verl.engine.forward import response_logits
 from flwr_verl.engine.rewards import make_reward_manager
 from flwr_verl.engine.trainer import LocalPPOTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("opacus", "pandas", "datasets", "fastapi", "uvicorn", "torchdata", "pydantic", "aiohttp",
          "verl.trainer.ppo.ray_trainer", "verl.workers.reward_manager")
 

@@ -132,7 +132,7 @@ def test_a_straggler_that_misses_the_fit_deadline_is_dropped_and_the_round_compl
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from federation_wire import LoopbackGrid, measure_wire
 
     class StragglerGrid(LoopbackGrid):

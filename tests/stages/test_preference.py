@@ -160,19 +160,20 @@ def test_stages_on_the_same_prompts_compose_their_epsilon():
 
 
 def test_a_short_stage_1_beats_chance_on_held_out_pairs():
-    """40 Bradley-Terry iterations of 64 prompts (no DP) against the same model untrained, on
-    the pairs of 128 validation prompts that no training split holds (5 near misses each).
-    Chance is 0.5 (one standard deviation over 128 prompts, counting a prompt's pairs as one:
-    0.044); measured 0.60 after 40 iterations against 0.45 untrained (embedded model of recipe
-    version 3; version 2: 0.60 against 0.49): the margin 0.09 is over twice that deviation."""
-    config = stage1_config(**{"privacy.enabled": False, "data.train_size": 1024, "data.val_size": 128,
+    """80 Bradley-Terry iterations of 64 prompts (no DP) against the same model untrained, on
+    the pairs of 240 validation prompts that no training split holds (5 near misses each).
+    Chance is 0.5 (one standard deviation over 240 prompts, counting a prompt's pairs as one:
+    0.032); the margin 0.1 is three of them. The length was chosen on the tune split, on a Xeon
+    with AMX (0.48 untrained; 0.58 / 0.62 / 0.69 after 40 / 60 / 80 iterations): 40, the length
+    measured at 0.60 on AVX2 and AVX-512 machines, left too little room on AMX kernels."""
+    config = stage1_config(**{"privacy.enabled": False, "data.train_size": 1024, "data.val_size": 240,
                               "data.train_batch_size": 64, "actor.ppo_mini_batch_size": 64, "actor.lr": 3e-3})
     trainer = LocalRewardModelTrainer(config, load_units(config.data, "train", 0))
     held_out = load_units(config.data, "val", 0)
     before = trainer.evaluate(held_out).accuracy
-    trainer.fit(40, seed=0)
+    trainer.fit(80, seed=0)
     after = trainer.evaluate(held_out).accuracy
-    assert after >= max(before, 0.5) + 0.09, (before, after)
+    assert after >= max(before, 0.5) + 0.1, (before, after)
 
 
 def test_a_stage_1_client_fits_under_dp_and_a_node_time_budget(trainee):

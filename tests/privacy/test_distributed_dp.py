@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from flwr_verl.config import ClientLevelConfig, ConfigError, parse_run_config
+from flwr_verl.federation.run_config import load_run_config
 from flwr_verl.federation.secagg import integer_secagg_parameters
 from flwr_verl.privacy import distributed_dp as ddp
 
@@ -212,8 +213,8 @@ def test_bad_client_level_values_fail_with_the_key(key, value, message):
 def test_a_bit_width_too_small_for_the_clients_fails_before_training():
     with pytest.raises(ConfigError, match=r"privacy.client_level.bits=6 is invalid for 3 clients per round.*"
                                           r"use privacy.client_level.bits=\d+ or more"):
-        parse_run_config({"privacy.client_level.enabled": True, "privacy.client_level.bits": 6})
-    parse_run_config({"privacy.client_level.enabled": True, "privacy.client_level.bits": 12})
+        load_run_config({"privacy.client_level.enabled": True, "privacy.client_level.bits": 6})
+    load_run_config({"privacy.client_level.enabled": True, "privacy.client_level.bits": 12})
     # more clients need more bits: what passes for 3 fails for 500 sampled clients
     with pytest.raises(ConfigError, match=r"bits=12 is invalid for 500 clients"):
         ddp.plan_round(ClientLevelConfig(enabled=True, bits=12), 1, num_clients=500, threshold=2)
@@ -255,7 +256,7 @@ PHASE_CONFIG = {"enabled": True, "clip_norm": 0.5, "noise_multiplier": 0.5, "bit
 
 @pytest.fixture(scope="module")
 def secure_round(tmp_path_factory):
-    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    folder = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if folder not in sys.path:
         sys.path.insert(0, folder)
     import secagg_harness as harness

@@ -199,18 +199,18 @@ def test_a_bad_precision_fails_naming_the_key(value):
         SecAggConfig(precision=value)
 
 
-def test_an_unreachable_precision_fails_when_the_run_config_is_parsed():
-    from flwr_verl.config import parse_run_config
+def test_an_unreachable_precision_fails_when_the_run_config_is_loaded():
+    from flwr_verl.federation.run_config import load_run_config
 
     with pytest.raises(ConfigError, match="secagg.precision=1e-10 is unreachable"):
-        parse_run_config({"secagg.precision": 1e-10})
+        load_run_config({"secagg.precision": 1e-10})
 
 
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
 def _benchmark_modules():
     """``secagg_harness`` and ``secagg_precision``, imported as the benchmark scripts import them
     (top-level modules from ``benchmarks/``: Opacus's own ``benchmarks`` package shadows the folder)."""
-    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    folder = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if folder not in sys.path:
         sys.path.insert(0, folder)
     import secagg_harness

@@ -25,7 +25,7 @@ from flwr.common import ndarrays_to_parameters
 
 from flwr_verl.config import ConfigError, FederationConfig, SecAggConfig
 from flwr_verl.engine.data import load_rows
-from flwr_verl.federation import client as client_module
+from flwr_verl.federation import node as node_module
 from flwr_verl.federation.client import VerlClient, client_from_context, reported_num_examples
 from flwr_verl.federation.inprocess import InProcessClients, fit_round
 from flwr_verl.federation.protocol import STATUS_BUDGET, STATUS_OK, FitConfig, FitReport, PrivacyReport
@@ -36,7 +36,7 @@ from flwr_verl.stages import unit_prompts
 from flwr_verl.tools.cli import main as cli_main
 
 DELTA = 1e-5
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRIVATE = {"enabled": True, "noise_multiplier": 1.0, "deterministic": True}
 ONE_ITERATION = {"local_iterations": 1}
 
@@ -54,7 +54,7 @@ def node(ledger, run_id: int, **node_config) -> Context:
 @pytest.fixture
 def new_process(monkeypatch):
     """Forget the per-process ledger connections, as a restarted node would."""
-    monkeypatch.setattr(client_module, "_LEDGERS", {})
+    monkeypatch.setattr(node_module, "_LEDGERS", {})
 
 
 def test_a_new_run_on_the_same_data_continues_and_the_nodes_budget_holds(tiny_config, tmp_path, new_process):
@@ -69,7 +69,7 @@ def test_a_new_run_on_the_same_data_continues_and_the_nodes_budget_holds(tiny_co
     assert spent_once.steps == 1 and spent_once.epsilon(DELTA) > 0
     assert first.epsilon_run == pytest.approx(spent_once.epsilon(DELTA))
 
-    client_module._LEDGERS.clear()  # the node restarted between the runs
+    node_module._LEDGERS.clear()  # the node restarted between the runs
     second_run = client_from_context(node(ledger, run_id=2), config)
     _, _, metrics = second_run.fit(second_run.adapters.get_arrays(), fit_config())
     second = FitReport.from_metrics(metrics).privacy
@@ -228,7 +228,7 @@ def test_a_crash_between_the_ledger_write_and_the_send_over_counts(tiny_config, 
     with pytest.raises(SystemExit):
         node_client.fit(node_client.adapters.get_arrays(), fit_config())
     assert seen_during_training == [1]
-    client_module._LEDGERS.clear()
+    node_module._LEDGERS.clear()
     restarted = client_from_context(node(path, run_id=1), config)
     _, _, metrics = restarted.fit(restarted.adapters.get_arrays(), fit_config())
     assert PrivacyLedger(path).account(restarted.data_set).steps == 2  # the lost round still counts

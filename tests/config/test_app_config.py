@@ -8,7 +8,7 @@ from flwr.common.config import flatten_dict
 
 from flwr_verl.config import RunConfig, parse_run_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _manifest_defaults() -> dict:
