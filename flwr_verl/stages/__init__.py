@@ -26,7 +26,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flwr_verl.config import EngineConfig
+from flwr_verl.config import DataConfig, EngineConfig
 
 # stage name -> the module of this package that defines its ``STAGE`` (imported on first use:
 # each pulls in torch and transformers, which the light parts of the server never need)
@@ -39,7 +39,7 @@ class Stage:
 
     - ``build_models(config)``: its models, seeded, so every process builds the same initial
       adapter (``model.init_adapter``'s, when set);
-    - ``load_units(config, split, seed, partition_id, num_partitions)``: one client's privacy
+    - ``load_units(config.data, split, seed, partition_id, num_partitions)``: one client's privacy
       units of ``split``: prompts (policy), (prompt, responses) units (sft) or preference units;
     - ``unit_trainer(config, train_units, val_units, models)``: the local trainer of a fixed-data
       stage, its data checked against the model first; None for ``policy``, whose trainer the
@@ -49,7 +49,7 @@ class Stage:
     """
 
     build_models: Callable[[EngineConfig], Any]
-    load_units: Callable[[EngineConfig, str, int, int, int], list]
+    load_units: Callable[[DataConfig, str, int, int, int], list]
     unit_trainer: Callable[[EngineConfig, list, list, Any], Any] | None
     prompt_of: Callable[[Any], list[dict]]
 
@@ -66,7 +66,7 @@ def build_stage_models(config: EngineConfig):
 
 def load_stage_rows(config: EngineConfig, split: str, seed: int, partition_id: int, num_partitions: int) -> list:
     """One client's training units of ``split`` for ``config.stage`` (``Stage.load_units``)."""
-    return stage(config.stage).load_units(config, split, seed, partition_id, num_partitions)
+    return stage(config.stage).load_units(config.data, split, seed, partition_id, num_partitions)
 
 
 def unit_trainer(config: EngineConfig, train_units: list, val_units: list, models):

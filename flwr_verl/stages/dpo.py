@@ -53,6 +53,7 @@ from flwr_verl.engine.evaluation import Evaluation
 from flwr_verl.engine.models import Models, build_models
 from flwr_verl.privacy.dpsgd import unit_means
 from flwr_verl.stages import Stage
+from flwr_verl.stages.policy import policy_models
 from flwr_verl.stages.preference import PreferenceUnit, load_units
 from flwr_verl.stages.sft import ResponseBatch, response_batch, response_log_probs, response_sequences
 from flwr_verl.stages.supervised import UnitLoss, UnitTrainer
@@ -195,9 +196,8 @@ def make_trainer(config: EngineConfig, train_units: list[PreferenceUnit], val_un
 
 
 STAGE = Stage(
-    build_models=lambda config: build_models(config.model, config.needs_critic, seed=config.trainer.seed),
-    load_units=lambda config, split, seed, partition_id, num_partitions: load_units(
-        config.data, split, seed, partition_id, num_partitions),
+    build_models=policy_models,
+    load_units=load_units,
     unit_trainer=make_trainer,
     prompt_of=lambda unit: unit.prompt,
 )

@@ -276,8 +276,7 @@ def make_trainer(config: EngineConfig, train_units: list[PreferenceUnit], val_un
 
 STAGE = Stage(  # stage reward_model
     build_models=lambda config: build_reward_model_trainee(config.model, seed=config.trainer.seed),
-    load_units=lambda config, split, seed, partition_id, num_partitions: load_units(
-        config.data, split, seed, partition_id, num_partitions),
+    load_units=load_units,
     unit_trainer=make_trainer,
     prompt_of=lambda unit: unit.prompt,
 )

@@ -52,6 +52,7 @@ from flwr_verl.engine.models import Models, build_models, check_lengths
 from flwr_verl.engine.rollout import generate
 from flwr_verl.privacy.dpsgd import unit_means
 from flwr_verl.stages import Stage
+from flwr_verl.stages.policy import policy_models
 from flwr_verl.stages.supervised import UnitLoss, UnitTrainer
 
 
@@ -265,9 +266,8 @@ def make_trainer(config: EngineConfig, train_units: list[SFTUnit], val_units: li
 
 
 STAGE = Stage(
-    build_models=lambda config: build_models(config.model, config.needs_critic, seed=config.trainer.seed),
-    load_units=lambda config, split, seed, partition_id, num_partitions: load_units(
-        config.data, split, seed, partition_id, num_partitions),
+    build_models=policy_models,
+    load_units=load_units,
     unit_trainer=make_trainer,
     prompt_of=lambda unit: unit.prompt,
 )
