@@ -161,6 +161,10 @@ class RewardConfig:
 
 
 REWARD_COMBINE = ("replace", "add")
+# classifier: a sequence classifier's score (``reward_model.RewardModel``); implicit: a stage-dpo
+# policy adapter's log-probabilities (``reward_model.DPOVerifier``), scored by ``IMPLICIT_SCORES``.
+REWARD_MODEL_KINDS = ("classifier", "implicit")
+IMPLICIT_SCORES = ("implicit", "likelihood")
 
 
 @dataclass
@@ -178,6 +182,11 @@ class RewardModelConfig:
     ``rule_weight`` times the rule reward (``custom_reward_function``). The path may be empty
     here when every node names its own model in its node config (``reward-model-path``); it is
     checked on the node that loads it, since the model never leaves its node.
+
+    ``kind``: ``classifier`` (a one-label sequence classifier) or ``implicit`` (a stage-dpo policy
+    adapter on the policy's base, scored by ``score``: DPO's implicit reward ``beta`` (log pi_dpo
+    - log pi_ref) or the DPO policy's ``likelihood`` log pi_dpo; per token with
+    ``length_normalize``).
     """
 
     enable: bool = False
@@ -185,12 +194,20 @@ class RewardModelConfig:
     micro_batch_size: int = 32  # sequences per reward-model forward pass
     combine: str = "replace"
     rule_weight: float = 1.0
+    kind: str = "classifier"
+    score: str = "implicit"
+    beta: float = 0.1
+    length_normalize: bool = False
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size > 0, "reward_model.micro_batch_size", self.micro_batch_size, "must be > 0")
         require(self.combine in REWARD_COMBINE, "reward_model.combine", self.combine,
                 f"allowed: {', '.join(REWARD_COMBINE)}")
         require(math.isfinite(self.rule_weight), "reward_model.rule_weight", self.rule_weight, "must be finite")
+        require(self.kind in REWARD_MODEL_KINDS, "reward_model.kind", self.kind,
+                f"allowed: {', '.join(REWARD_MODEL_KINDS)}")
+        require(self.score in IMPLICIT_SCORES, "reward_model.score", self.score, f"allowed: {', '.join(IMPLICIT_SCORES)}")
+        require(math.isfinite(self.beta) and self.beta > 0, "reward_model.beta", self.beta, "must be a number > 0")
 
 
 @dataclass

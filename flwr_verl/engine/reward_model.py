@@ -14,6 +14,10 @@ response, as verl's reward-model worker does:
 3. it goes into ``token_level_scores`` on the last response token, alone (``combine=replace``)
    or added to ``rule_weight`` times the rule reward (``combine=add``).
 
+With ``reward_model.kind = "implicit"`` the reward model is instead a stage-dpo policy adapter
+on the policy's own base (``DPOVerifier``), scored from its log-probabilities of the rollout's
+own tokens; step 3 is the same.
+
 The model never leaves its node: the path comes from the run config or from the node's own
 ``reward-model-path``, and nothing of the model is ever sent. Everything that can be wrong with
 it fails when the client is built, before any training, naming the key (``load_reward_model``,
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from flwr_verl.config import ConfigError, RewardModelConfig
+from flwr_verl.config import ConfigError, ModelConfig, RewardModelConfig
 from flwr_verl.engine.data import Row, prompt_text
 
 PATH_KEY = "reward_model.model.path"
@@ -98,6 +102,16 @@ class RewardModel:
         scores = [sequence_scores(self.model, *self.encode(texts[start: start + micro_batch_size]))
                   for start in range(0, len(texts), micro_batch_size)]
         return torch.cat(scores).float() if scores else torch.zeros(0)
+
+    def score_batch(self, batch, policy_tokenizer, config: RewardModelConfig, group: int) -> torch.Tensor:
+        """One score per row of the rollout ``batch`` (B,): each response decoded with the policy's
+        tokenizer and read, after its prompt, with the reward model's own."""
+        lengths = batch.batch["response_mask"].sum(-1).long()
+        decoded = policy_tokenizer.batch_decode(
+            [row[:length].tolist() for row, length in zip(batch.batch["responses"], lengths)], skip_special_tokens=True)
+        texts = [conversation_text(list(messages), response, self.tokenizer)
+                 for messages, response in zip(batch.non_tensor_batch["raw_prompt"], decoded)]
+        return self.score(texts, config.micro_batch_size)
 
     def check_fits(self, rows: list[Row], response_length: int) -> None:
         """The longest prompt of ``rows`` with an empty response, in the reward model's tokens,
@@ -205,24 +219,102 @@ def load_reward_model(path: str, device: torch.device, *, key: str = PATH_KEY,
 @dataclass
 class LearnedReward:
     """verl's reward contract for a learned model: ``DataProto`` in, ``token_level_scores``
-    (B, R) out, the score on each response's last token. ``rule`` is the rule reward manager
-    (used with ``combine=add`` only)."""
+    (B, R) out, the score on each response's last token. ``reward_model`` is a classifier
+    (``RewardModel``) or a DPO policy (``DPOVerifier``); ``rule`` is the rule reward manager
+    (used with ``combine=add`` only); ``group`` the rows that share a prompt (``rollout.n`` with
+    the shared prompt cache, else 1)."""
 
-    reward_model: RewardModel
+    reward_model: RewardModel | DPOVerifier
     policy_tokenizer: object
     config: RewardModelConfig
     rule: object = None
+    group: int = 1
 
     def __call__(self, batch) -> torch.Tensor:
-        responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-        lengths = mask.sum(-1).long()
-        decoded = self.policy_tokenizer.batch_decode(
-            [row[:length].tolist() for row, length in zip(responses, lengths)], skip_special_tokens=True)
-        texts = [conversation_text(list(messages), response, self.reward_model.tokenizer)
-                 for messages, response in zip(batch.non_tensor_batch["raw_prompt"], decoded)]
-        scores = self.reward_model.score(texts, self.config.micro_batch_size).to(responses.device)
+        responses, lengths = batch.batch["responses"], batch.batch["response_mask"].sum(-1).long()
+        scores = self.reward_model.score_batch(batch, self.policy_tokenizer, self.config, self.group)
         token_level = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
-        token_level[torch.arange(len(texts), device=responses.device), (lengths - 1).clamp(min=0)] = scores
+        token_level[torch.arange(len(scores), device=responses.device), (lengths - 1).clamp(min=0)] = \
+            scores.to(responses.device)
         if self.config.combine == "add":
             token_level = token_level + self.config.rule_weight * self.rule(batch).to(token_level)
         return token_level
+
+
+# ----------------------------------------------------------------------------- a DPO policy as verifier
+@dataclass
+class DPOVerifier:
+    """A stage-dpo policy adapter on the policy's own base (``reward_model.kind = "implicit"``),
+    frozen. It scores a response y to a prompt x from its log-probabilities, summed over the
+    response tokens (``reward_model.score``):
+
+    - ``implicit``: DPO's implicit reward, beta (log pi_dpo(y|x) - log pi_ref(y|x)), the
+      reference being the same model with its adapter disabled (``reward_model.beta``);
+    - ``likelihood``: the DPO policy's own log pi_dpo(y|x);
+
+    each divided by the response's token count with ``reward_model.length_normalize``. The
+    rollout's own token ids are scored (the base and tokenizer are the policy's), in one batched
+    pass per micro-batch with each prompt computed once for its n responses
+    (``forward.response_logits``)."""
+
+    model: torch.nn.Module
+    key: str
+    path: str
+
+    @torch.no_grad()
+    def score_batch(self, batch, policy_tokenizer, config: RewardModelConfig, group: int) -> torch.Tensor:
+        """One score per row of the rollout ``batch`` (B,)."""
+        from flwr_verl.engine._verl import verl_F
+        from flwr_verl.engine.forward import response_logits
+
+        tensors, mask = batch.batch, batch.batch["response_mask"]
+        step = max(group, config.micro_batch_size - config.micro_batch_size % group)  # whole prompt groups
+
+        def log_probs() -> torch.Tensor:  # (B,): summed over each response's tokens
+            out = []
+            for start in range(0, len(mask), step):
+                rows = slice(start, start + step)
+                responses = tensors["responses"][rows]
+                logits = response_logits(self.model, tensors["input_ids"][rows], tensors["attention_mask"][rows],
+                                         tensors["position_ids"][rows], responses.shape[1], group)
+                out.append((verl_F.logprobs_from_logits(logits, responses) * mask[rows]).sum(-1))
+            return torch.cat(out)
+
+        self.model.eval()
+        scores = log_probs()
+        if config.score == "implicit":
+            with self.model.disable_adapter():
+                scores = config.beta * (scores - log_probs())
+        if config.length_normalize:
+            scores = scores / mask.sum(-1).clamp(min=1)
+        return scores.float()
+
+    def check_fits(self, rows: list[Row], response_length: int) -> None:
+        """Nothing to check: the base is the policy's, whose positions ``models.check_lengths``
+        has checked against the prompts and ``rollout.response_length``."""
+
+
+def load_dpo_verifier(path: str, model: ModelConfig, device: torch.device, *, key: str = PATH_KEY) -> DPOVerifier:
+    """A stage-dpo run's policy adapter (``adapters/final/policy``) at ``path``, on the policy's
+    base (``model.path``), frozen, in eval mode on ``device``."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flwr_verl.engine.models import model_dtype, resolve_model_path
+
+    directory = Path(path).expanduser()
+    if not (directory / "adapter_config.json").is_file():
+        raise ConfigError(f"{key}={path!r} is invalid for reward_model.kind='implicit': must be a stage-dpo run's "
+                          "policy adapter directory (adapters/final/policy, with adapter_config.json)")
+    task_type = str(getattr(PeftConfig.from_pretrained(str(directory)), "task_type", ""))
+    if task_type not in ("CAUSAL_LM", "TaskType.CAUSAL_LM"):
+        raise ConfigError(f"{key}={path!r}: a PEFT adapter of task_type={task_type!r}; a DPO policy adapter has "
+                          "task_type='CAUSAL_LM' (a classifier reward model takes reward_model.kind='classifier')")
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=model_dtype(model),
+                                                local_files_only=True)
+    try:
+        verifier = PeftModel.from_pretrained(base, str(directory))
+    except (RuntimeError, ValueError, OSError) as error:  # torch's size mismatch: another base
+        raise ConfigError(f"{key}={path!r} is not an adapter of this policy's base (model.path): {error}") from error
+    verifier.requires_grad_(False)
+    return DPOVerifier(verifier.to(device).eval(), key, path)

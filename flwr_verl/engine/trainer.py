@@ -46,7 +46,7 @@ from flwr_verl.engine.evaluation import Evaluation
 from flwr_verl.engine.forward import response_logits
 from flwr_verl.engine.models import Models, build_models
 from flwr_verl.engine.proximal import Proximal
-from flwr_verl.engine.reward_model import LearnedReward, RewardModel
+from flwr_verl.engine.reward_model import DPOVerifier, LearnedReward, RewardModel
 from flwr_verl.engine.rewards import make_reward_manager, resolve_compute_score
 from flwr_verl.engine.rollout import generate
 from flwr_verl.privacy.deidentify import build_processors
@@ -190,7 +190,7 @@ class LocalPPOTrainer:
     """Runs verl's PPO family on one client's prompts, updating only LoRA adapter weights."""
 
     def __init__(self, config: EngineConfig, train_rows: list[Row], *, models: Models | None = None,
-                 compute_score=None, reward_model: RewardModel | None = None) -> None:
+                 compute_score=None, reward_model: RewardModel | DPOVerifier | None = None) -> None:
         torch.set_num_threads(config.trainer.num_threads)
         self.config = config
         self.train_rows = train_rows
@@ -202,7 +202,8 @@ class LocalPPOTrainer:
         # What training optimises: the rule reward, or a learned reward model (reward_model.enable).
         # Evaluation always scores with the rule: the true objective the learned one stands in for.
         self.train_reward = (self.reward_fn if reward_model is None else
-                             LearnedReward(reward_model, self.tokenizer, config.reward_model, rule=self.reward_fn))
+                             LearnedReward(reward_model, self.tokenizer, config.reward_model, rule=self.reward_fn,
+                                           group=config.rollout.n if config.model.shared_prompt_cache else 1))
         actor, algorithm = config.actor, config.algorithm
         self.actor_config = VerlActorConfig(
             strategy="fsdp", rollout_n=config.rollout.n, ppo_mini_batch_size=actor.ppo_mini_batch_size,

@@ -81,7 +81,7 @@ from flwr.common import log
 from flwr_verl.config import ConfigError, EngineConfig, FlwrVerlError, LocalBudget
 from flwr_verl.engine.data import Row
 from flwr_verl.engine.models import Models, check_lengths
-from flwr_verl.engine.reward_model import PATH_KEY, RewardModel
+from flwr_verl.engine.reward_model import PATH_KEY, DPOVerifier, RewardModel
 from flwr_verl.engine.rewards import PROMPT_KEY, checked, resolve_compute_score
 from flwr_verl.engine.trainer import LocalPPOTrainer
 from flwr_verl.federation.compression import ErrorFeedback, StateErrorFeedback, coordinate_mask, with_error_feedback
@@ -198,7 +198,7 @@ class VerlClient(NumPyClient):
     def __init__(self, config: EngineConfig, train_rows: list[Row], val_rows: list[Row], *,
                  partition_id: int = 0, models: Models | None = None, compute_score=None,
                  client_id: str | None = None, ledger: PrivacyLedger | None = None, run_id: str = "local",
-                 reward_model: RewardModel | None = None, reward_model_key: str = PATH_KEY,
+                 reward_model: RewardModel | DPOVerifier | None = None, reward_model_key: str = PATH_KEY,
                  budget: LocalBudget | None = None, error_feedback: ErrorFeedback | None = None,
                  client_epsilon_budget: float = 0.0) -> None:
         self.config = config
@@ -227,7 +227,7 @@ class VerlClient(NumPyClient):
         models = models or cached_models(config)
         check_lengths(config, models, train_rows + val_rows)
         if config.reward_model.enable and reward_model is None:
-            reward_model = cached_reward_model(config.reward_model.model.path, reward_model_key, models.device)
+            reward_model = cached_reward_model(config, config.reward_model.model.path, reward_model_key, models.device)
         if reward_model is not None:
             reward_model.check_fits(train_rows + val_rows, config.rollout.response_length)
         self.trainer = LocalPPOTrainer(config, train_rows, models=models, compute_score=compute_score,

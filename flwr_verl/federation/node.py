@@ -13,7 +13,7 @@ from flwr.app import Context
 from flwr_verl.config import ConfigError, EngineConfig
 from flwr_verl.engine.data import Row
 from flwr_verl.engine.models import Models
-from flwr_verl.engine.reward_model import PATH_KEY, RewardModel, load_reward_model
+from flwr_verl.engine.reward_model import PATH_KEY, DPOVerifier, RewardModel, load_dpo_verifier, load_reward_model
 from flwr_verl.privacy.ledger import NODE_PRIVACY_LEDGER, PrivacyLedger, default_path
 from flwr_verl.stages import build_stage_models, load_stage_rows
 
@@ -26,7 +26,7 @@ NODE_DEIDENTIFY_CORPUS = "deidentify-corpus-file"  # node-config key: this node'
 _MODELS: dict[str, Models] = {}
 _ROWS: dict[str, list[Row]] = {}
 _LEDGERS: dict[str, PrivacyLedger] = {}
-_REWARD_MODELS: dict[str, RewardModel] = {}
+_REWARD_MODELS: dict[str, RewardModel | DPOVerifier] = {}
 
 
 def cached_models(config: EngineConfig) -> Models:
@@ -37,11 +37,14 @@ def cached_models(config: EngineConfig) -> Models:
     return _MODELS[key]
 
 
-def cached_reward_model(path: str, key: str, device) -> RewardModel:
-    """One reward model per process, path and device (read-only, so clients can share it)."""
-    cache_key = repr((path, str(device)))
+def cached_reward_model(config: EngineConfig, path: str, key: str, device) -> RewardModel | DPOVerifier:
+    """One reward model per process, kind, path and device (read-only, so clients can share it):
+    a classifier, or a DPO policy adapter on the policy's base (``reward_model.kind``)."""
+    kind = config.reward_model.kind
+    cache_key = repr((kind, path, config.model if kind == "implicit" else None, str(device)))
     if cache_key not in _REWARD_MODELS:
-        _REWARD_MODELS[cache_key] = load_reward_model(path, device, key=key)
+        _REWARD_MODELS[cache_key] = (load_dpo_verifier(path, config.model, device, key=key) if kind == "implicit"
+                                     else load_reward_model(path, device, key=key))
     return _REWARD_MODELS[cache_key]
 
 
