@@ -135,3 +135,131 @@ def test_bad_combine_and_micro_batch_are_config_errors(tiny_config):
         tiny_config(reward_model={"combine": "mean"})
     with pytest.raises(ConfigError, match="reward_model.micro_batch_size=0"):
         tiny_config(reward_model={"micro_batch_size": 0})
+
+
+# ----------------------------------------------------------------------------- a DPO policy as the verifier
+def _prefer_first_response(config, batch, directory):
+    """A stand-in for a stage-dpo adapter that prefers the rollout's first response: the policy's
+    adapter after 30 Adam steps up log pi(response 0 | prompt 0), saved as a run saves its
+    ``adapters/final/policy``."""
+    from flwr_verl.engine._verl import verl_F
+    from flwr_verl.engine.models import build_models
+
+    models = build_models(config.model, with_critic=False)
+    rows = slice(0, 1)
+    tensors = batch.batch
+    params = [p for p in models.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    response = tensors["responses"][rows]
+    for _ in range(30):
+        logits = models.policy(input_ids=tensors["input_ids"][rows], attention_mask=tensors["attention_mask"][rows],
+                               position_ids=tensors["position_ids"][rows]).logits[:, -response.shape[1] - 1:-1]
+        loss = -(verl_F.logprobs_from_logits(logits, response) * tensors["response_mask"][rows]).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    models.adapters.save(directory)
+    return directory / "policy"
+
+
+def _response_log_prob(model, batch, row: int) -> float:
+    """log pi(response | prompt) of one rollout row, from a plain forward of its unpadded tokens."""
+    from flwr_verl.engine._verl import verl_F
+
+    tensors = batch.batch
+    prompt_length = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
+    prompt = tensors["input_ids"][row, :prompt_length][tensors["attention_mask"][row, :prompt_length].bool()]
+    length = int(tensors["response_mask"][row].sum())
+    response = tensors["responses"][row, :length]
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1:-1]
+    return verl_F.logprobs_from_logits(logits[None], response[None]).sum().item()
+
+
+@pytest.fixture(scope="module")
+def verifier(policy, tmp_path_factory):
+    from flwr_verl.engine.reward_model import load_dpo_verifier
+
+    config, models = policy
+    batch = _rollout(config, models)
+    directory = _prefer_first_response(config, batch, tmp_path_factory.mktemp("dpo"))
+    return batch, load_dpo_verifier(str(directory), config.model, models.device)
+
+
+@pytest.mark.parametrize("score,normalize", [("implicit", False), ("likelihood", False), ("implicit", True)])
+def test_the_dpo_verifier_scores_its_implicit_reward_or_its_likelihood_on_the_last_token(policy, verifier, score,
+                                                                                         normalize):
+    """``implicit``: beta (log pi_dpo - log pi_ref), the reference being the adapter disabled;
+    ``likelihood``: log pi_dpo; either per response token with ``length_normalize``. The batched
+    scores (each prompt computed once for its responses, in micro-batches of whole groups) equal
+    a plain forward of each unpadded row, on the row's last response token."""
+    config, models = policy
+    batch, model = verifier
+    reward = dataclasses.replace(config.reward_model, enable=True, kind="implicit", score=score, beta=0.5,
+                                 length_normalize=normalize, micro_batch_size=3)
+    scores = LearnedReward(model, models.tokenizer, reward, group=config.rollout.n)(batch)
+    mask = batch.batch["response_mask"]
+    for row in range(len(mask)):
+        length = int(mask[row].sum())
+        dpo = _response_log_prob(model.model, batch, row)
+        with model.model.disable_adapter():
+            reference = _response_log_prob(model.model, batch, row)
+        expected = 0.5 * (dpo - reference) if score == "implicit" else dpo
+        expected = expected / length if normalize else expected
+        assert scores[row, length - 1].item() == pytest.approx(expected, abs=1e-4)
+        assert torch.count_nonzero(scores[row]) <= 1
+
+
+def test_the_implicit_reward_is_positive_for_what_the_dpo_adapter_learned_to_prefer_and_scales_with_beta(
+        policy, verifier):
+    config, models = policy
+    batch, model = verifier
+    lengths = batch.batch["response_mask"].sum(-1).long()
+
+    def implicit(beta: float) -> torch.Tensor:
+        reward = dataclasses.replace(config.reward_model, enable=True, kind="implicit", score="implicit", beta=beta)
+        token_level = LearnedReward(model, models.tokenizer, reward, group=config.rollout.n)(batch)
+        return token_level[torch.arange(len(lengths)), lengths - 1]
+
+    once, twice = implicit(0.1), implicit(0.2)
+    assert once[0] > 0 and once[0] > once[1:].max()  # the preferred response, above every other
+    torch.testing.assert_close(twice, 2 * once)
+
+
+def test_a_client_trains_against_a_dpo_verifier_under_dp(tiny_config, verifier):
+    from flwr_verl.federation.client import VerlClient
+
+    _, model = verifier
+    config = tiny_config(privacy={"enabled": True, "noise_multiplier": 1.0, "metrics": "clear"},
+                         reward_model={"enable": True, "kind": "implicit", "model.path": model.path},
+                         trainer={"local_iterations": 1})
+    client = VerlClient(config, arithmetic_rows(32, seed=1), [])
+    instructions = FitConfig(server_round=1, local_iterations=1, planned_iterations=1, proximal_mu=0.0)
+    update, _, metrics = client.fit(client.get_parameters({}), instructions.to_config())
+    assert any(abs(a).max() > 0 for a in update) and FitReport.from_metrics(metrics).privacy.epsilon_run > 0
+
+
+def test_a_dpo_verifier_path_that_is_no_policy_adapter_names_the_key_and_the_kind(policy, tmp_path,
+                                                                                 reward_model_dirs):
+    from flwr_verl.engine.reward_model import load_dpo_verifier
+
+    config, models = policy
+    with pytest.raises(ConfigError, match=r"reward_model.model.path=.*reward_model.kind='implicit'.*adapter_config"):
+        load_dpo_verifier(str(tmp_path / "nope"), config.model, models.device)
+    from peft import LoraConfig, get_peft_model
+
+    classifier = save_classifier(tmp_path / "classifier", build_tokenizer(), arch="llama")
+    seq_cls = get_peft_model(AutoModelForSequenceClassification.from_pretrained(classifier),
+                             LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["q_proj"]))
+    seq_cls.save_pretrained(tmp_path / "seq_cls")
+    with pytest.raises(ConfigError, match=r"task_type=.*SEQ_CLS.*reward_model.kind='classifier'"):
+        load_dpo_verifier(str(tmp_path / "seq_cls"), config.model, models.device)
+
+
+def test_bad_verifier_settings_are_config_errors(tiny_config):
+    with pytest.raises(ConfigError, match="reward_model.kind='dpo'.*classifier, implicit"):
+        tiny_config(reward_model={"kind": "dpo"})
+    with pytest.raises(ConfigError, match="reward_model.score='margin'.*implicit, likelihood"):
+        tiny_config(reward_model={"score": "margin"})
+    with pytest.raises(ConfigError, match="reward_model.beta=0.0"):
+        tiny_config(reward_model={"beta": 0.0})
