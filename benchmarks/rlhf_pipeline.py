@@ -155,8 +155,9 @@ def stage1(args, workdir: Path) -> dict:
             "seconds": time.perf_counter() - start, "merged": str(merged)}
 
 
-def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -> dict:
-    """GRPO from the embedded policy, against ``reward_model_path`` (None: the rule)."""
+def stage2(args, reward_model: dict | None, eval_rows: list[dict], scorer) -> dict:
+    """GRPO from the embedded policy, against the learned reward that the ``reward_model.*`` run
+    config keys of ``reward_model`` describe (``scorer``'s model; None: the rule)."""
     from flwr_verl.config import parse_run_config
     from flwr_verl.engine.models import build_models
     from flwr_verl.engine.rollout import generate
@@ -164,8 +165,8 @@ def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -
 
     run_config = {"num-server-rounds": args.ppo_rounds, "data.train_size": args.ppo_train_size, "data.val_size": 0,
                   "data.train_batch_size": args.ppo_batch_size, "actor.ppo_mini_batch_size": args.ppo_batch_size}
-    if reward_model_path:
-        run_config.update({"reward_model.enable": True, "reward_model.model.path": reward_model_path})
+    if reward_model:
+        run_config.update({"reward_model.enable": True, **reward_model})
     config = parse_run_config(run_config).engine
     models = build_models(config.model, False, seed=args.seed)
     judge = LocalPPOTrainer(config, [], models=models)  # exact match against the hidden rule
@@ -178,7 +179,7 @@ def stage2(args, reward_model_path: str | None, eval_rows: list[dict], scorer) -
 
     start = time.perf_counter()
     curve, privacy = federate(args, run_config, models, evaluate,
-                              reward_model=scorer.reward_model if reward_model_path else None)
+                              reward_model=scorer.reward_model if reward_model else None)
     return {"per_round": curve, "privacy_per_round": privacy, "seconds": time.perf_counter() - start}
 
 
@@ -232,9 +233,9 @@ def main() -> None:
             scorer = LearnedReward(load_reward_model(rm["merged"], torch.device("cpu")), tokenizer,
                                    RewardModelConfig())
             eval_rows = validation_problems(args.eval_size, args.eval_split)
-            for name, path in (("learned_reward", rm["merged"]), ("rule_reward", None)):
+            for name, reward in (("learned_reward", {"reward_model.model.path": rm["merged"]}), ("rule_reward", None)):
                 print(f"stage 2 against the {name.replace('_', ' ')}:", flush=True)
-                arms[name] = stage2(args, path, eval_rows, scorer)
+                arms[name] = stage2(args, reward, eval_rows, scorer)
     if arms:
         gains = {name: arm["per_round"][-1]["exact_match"] - arm["per_round"][0]["exact_match"]
                  for name, arm in arms.items()}

@@ -35,7 +35,8 @@ gradients, so it adds nothing to what DP-SGD clips. The loop, the accounting, Fe
 and the run directory are the other stages' (``supervised.UnitTrainer``).
 
 **Evaluation.** On held-out pairs (their prompts are in no training split): ``accuracy`` is the
-share of pairs whose implicit reward beta h ranks chosen above rejected, ``reward`` the mean of
+share of pairs whose implicit reward beta h ranks chosen above rejected, a tie counting half
+(``pairwise_accuracy``), ``reward`` the mean of
 sigmoid(beta (h_w - h_l)). In the training summary ``pg_loss`` is the DPO loss and
 ``reward_mean`` the training pairs' accuracy.
 """
@@ -135,6 +136,13 @@ def pair_log_ratios(model, batch: ResponseBatch) -> PairLogRatios:
     return PairLogRatios(ratio[:pairs], ratio[pairs:], tokens[:pairs], tokens[pairs:])
 
 
+def pairwise_accuracy(margin: torch.Tensor) -> float:
+    """The share of pairs a score ranks right, from each pair's margin score(chosen) -
+    score(rejected), (P,): a tie counts half, as a score that cannot tell two responses apart is
+    right half the time (the untrained policy's implicit reward ties every pair)."""
+    return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item()
+
+
 # ----------------------------------------------------------------------------- the local trainer
 class LocalDPOTrainer(UnitTrainer):
     """DPO on one client's preference units, updating only the policy's LoRA weights, in the
@@ -163,7 +171,8 @@ class LocalDPOTrainer(UnitTrainer):
 
     @torch.no_grad()
     def evaluate(self, units: list[PreferenceUnit], micro_batch_size: int = 32) -> Evaluation | None:
-        """Pairwise accuracy of the implicit reward and its mean sigmoid margin on held-out ``units``."""
+        """Pairwise accuracy of the implicit reward (``pairwise_accuracy``) and its mean sigmoid margin
+        on held-out ``units``."""
         if not units:
             return None
         self.model.eval()
@@ -172,7 +181,7 @@ class LocalDPOTrainer(UnitTrainer):
             ratios, _ = self._ratios(units[start: start + micro_batch_size])
             margins.append(self.config.dpo.beta * (ratios.chosen - ratios.rejected))
         margin = torch.cat(margins)
-        return Evaluation(reward=torch.sigmoid(margin).mean().item(), accuracy=(margin > 0).float().mean().item())
+        return Evaluation(reward=torch.sigmoid(margin).mean().item(), accuracy=pairwise_accuracy(margin))
 
 
 def check_unit_lengths(config: EngineConfig, models: Models, units: list[PreferenceUnit]) -> None:

@@ -134,7 +134,8 @@ def test_a_changed_prompt_set_gets_a_new_entry(tiny_config, tmp_path):
 def test_the_same_prompts_spend_one_budget_across_stages(tiny_config, tmp_path):
     """SFT on a client's private prompts, then PPO on the same prompts: the policy's first round
     continues the SFT round's account. A reward model's preference units of the same prompts key
-    alike; other prompts (the validation split) have a budget of their own."""
+    alike, and DPO on them continues the same account; other prompts (the validation split) have a
+    budget of their own."""
     from flwr_verl.stages.preference import PreferenceUnit
     from flwr_verl.stages.sft import load_units
 
@@ -157,6 +158,11 @@ def test_the_same_prompts_spend_one_budget_across_stages(tiny_config, tmp_path):
              for row in rows]
     reward_model = dataclasses.replace(policy, stage="reward_model")
     assert fingerprint_prompts(unit_prompts(reward_model, pairs)) == policy_client.data_set.fingerprint
+    # DPO on preference pairs of the same prompts is charged to the same account, like any stage
+    dpo_client = VerlClient(dataclasses.replace(policy, stage="dpo"), pairs, [], ledger=ledger, run_id="dpo")
+    _, _, metrics = dpo_client.fit(dpo_client.adapters.get_arrays(), fit_config())
+    assert dpo_client.data_set == policy_client.data_set and ledger.account(dpo_client.data_set).steps == 3
+    assert [run.run_id for run in ledger.runs(dpo_client.data_set)] == ["sft", "policy", "dpo"]
     held_out = VerlClient(policy, load_rows(policy.data, "val", seed=0), [], ledger=ledger)
     assert held_out.data_set != policy_client.data_set and ledger.account(held_out.data_set).steps == 0
 
