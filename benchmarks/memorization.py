@@ -2,7 +2,7 @@
 reproduction of planted secrets, without DP, with DP, and with DP behind the de-identification
 filter.
 
-Goal: no target set.
+Goal: no target set; the filter reproduces nothing (exposure 0).
 
     nice -n 5 python benchmarks/memorization.py [--seeds 2] [--secrets 8] [--copies 4] [--out FILE]
 

@@ -1,7 +1,7 @@
 """flwr-verl's local engine against TRL's GRPOTrainer on the standard tiny workload, side by
 side: sequences per second, the phase breakdown and peak RSS of each.
 
-Goal: at least 1.0x TRL's seq/s at both sizes, and peak RSS at most TRL's + 10%.
+Goal: at least 1.0x TRL's seq/s at both sizes, and peak RSS at most TRL's + 10% (the aim: 1.3x).
 
     python benchmarks/vs_trl.py --trl-python /work/venv-trl/bin/python [--peer ../shared/peer/bench_trl.py]
                                 [--repeats 3] [--warmup 3] [--iterations 20] [--size 512,1024,4] [--clock cpu]
