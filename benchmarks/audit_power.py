@@ -1,4 +1,10 @@
-"""Does the one-run privacy audit (``flwr_verl.privacy.audit``) have power? Five settings, same canaries.
+"""Does the one-run privacy audit (``flwr_verl.privacy.audit``) have power? The epsilon lower
+bound it finds in five settings, on the same canaries.
+
+Goal: a bound of at least 1 with DP off; above the claim of each broken mechanism; never above
+the claim with DP.
+
+    nice -n 5 python benchmarks/audit_power.py [--seeds 3] [--out benchmarks/results/audit_power.json]
 
 * ``no_dp``: privacy off. An audit with power bounds epsilon clearly above 0 here (at least 1).
 * ``broken``: a deliberately broken DP mechanism: the DP optimizer clips at 1e6 and adds no
@@ -16,28 +22,23 @@ The configuration is the small one of ``tests/privacy/test_audit.py``: two clien
 ``--canaries`` of ``--kind`` (gradient: in client 0's update; prompt: in its prompts), r =
 ``--guesses``. Medians and ranges are over ``--seeds`` (the audit's seed: which canaries, which
 members).
-
-    nice -n 5 python benchmarks/audit_power.py [--seeds 3] [--out benchmarks/results/audit_power.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
-import resource
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
+import harness
+
 warnings.filterwarnings("ignore")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # The small configuration (tests/privacy/test_audit.py uses the same, with fewer iterations and canaries).
 SMALL = {
     "data": {"train_size": 16, "val_size": 8, "train_batch_size": 16},
@@ -58,7 +59,7 @@ def audit_small(privacy: dict, *, local_iterations: int, rounds: int, canaries: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="audit seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--kind", default="gradient", choices=("gradient", "prompt"))
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--broken-epsilon", type=float, default=0.5)
     parser.add_argument("--unpooled-epsilon", type=float, default=1.0)
     parser.add_argument("--settings", default="no_dp,broken,unpooled,dp,dp_small", help="comma-separated subset")
-    parser.add_argument("--out", type=Path, default=RESULTS / "audit_power.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "audit_power.json")
     args = parser.parse_args()
     import torch
 
@@ -105,8 +106,7 @@ def main() -> None:
         bounds = [r["epsilon_lower_bound"] for r in runs]
         correct = [r["correct"] for r in runs]
         claimed = [float(r["epsilon_claimed"]) for r in runs]
-        summary[name] = {"bound_median": statistics.median(bounds), "bound_range": [min(bounds), max(bounds)],
-                         "correct_median": statistics.median(correct), "correct_range": [min(correct), max(correct)],
+        summary[name] = {**harness.median_range("bound", bounds), **harness.median_range("correct", correct),
                          "guesses": args.guesses, "claimed_max": "inf" if math.isinf(max(claimed)) else max(claimed),
                          "bound_exceeds_claim": sum(b > c for b, c in zip(bounds, claimed)),
                          "seconds_median": statistics.median(r["seconds"] for r in runs)}
@@ -115,13 +115,10 @@ def main() -> None:
               f"{s['bound_range'][1]:.3f}), correct {s['correct_median']}/{args.guesses} (range "
               f"{s['correct_range'][0]}-{s['correct_range'][1]}), claimed <= {s['claimed_max']}, bound > claim in "
               f"{s['bound_exceeds_claim']}/{len(runs)} runs, {s['seconds_median']:.0f} s a run")
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mib = harness.peak_rss_mib()
     print(f"peak RSS {peak_mib:.0f} MiB, {time.perf_counter() - started:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
-                                    "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                    "summary": summary, "runs": results, "peak_rss_mib": peak_mib}, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, {"command": harness.command_line(), "config": vars(args), "summary": summary,
+                                  "runs": results, "peak_rss_mib": peak_mib})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""What client-level DP with distributed Skellam noise costs (``flwr_verl.privacy.distributed_dp``).
+"""What client-level DP with distributed Skellam noise costs (``flwr_verl.privacy.distributed_dp``):
+the error of its discretisation against central Gaussian noise of the same variance, and the
+held-out accuracy it leaves at a target client-level epsilon.
+
+Goal: the discretisation costs nothing measurable; the accuracy has no target set.
+
+    python benchmarks/client_level_dp.py [--dim 29696] [--clients 3] [--trials 5] [--utility] [--out DIR]
 
 Two measurements, each printed and written to ``--out/client_level_dp.json``:
 
@@ -22,33 +28,22 @@ Two measurements, each printed and written to ``--out/client_level_dp.json``:
    training problems (``embedded.split_problems``). Two more arms run the same pipeline at the
    small fixed noise multipliers ``--noises`` (their epsilon is reported, huge): the mechanism's
    cost without the noise that the epsilon targets need.
-
-    python benchmarks/client_level_dp.py [--dim 29696] [--clients 3] [--trials 5] [--utility] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import sys
 import time
-import warnings
 from pathlib import Path
 
+import harness  # first: puts this checkout on sys.path
 import numpy as np
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's flwr_verl, before any installed copy
+from flwr_verl.config import ClientLevelConfig
+from flwr_verl.privacy import distributed_dp as ddp
 
-from flwr_verl.config import ClientLevelConfig  # noqa: E402
-from flwr_verl.privacy import distributed_dp as ddp  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+harness.quiet()
 THRESHOLD = 2  # secagg.reconstruction-threshold's default
 DELTA = 1e-5
 
@@ -107,16 +102,12 @@ def discretisation(args) -> list[dict]:
             rows.append({
                 "bits": bits, "rotation": rotation, "scale": plan.scale,
                 "sensitivity_growth": plan.l2_sensitivity / (plan.scale * plan.clip_norm),
-                "rms_error_distributed": _stats(distributed), "rms_error_central": _stats(central),
-                "rms_error_rounding_only": _stats(rounding),
-                "error_ratio": _stats(ratio), "epsilon_10_rounds_skellam": account.epsilon(DELTA),
+                "rms_error_distributed": harness.spread(distributed), "rms_error_central": harness.spread(central),
+                "rms_error_rounding_only": harness.spread(rounding),
+                "error_ratio": harness.spread(ratio), "epsilon_10_rounds_skellam": account.epsilon(DELTA),
                 "epsilon_10_rounds_gaussian": float(gaussian),
             })
     return rows
-
-
-def _stats(values: list[float]) -> dict:
-    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
 
 
 # ----------------------------------------------------------------------------- 2. utility
@@ -148,11 +139,8 @@ def utility(args) -> dict:
     from flwr_verl.federation.protocol import SecAggBounds
     from flwr_verl.federation.strategy import FedProxAdapters
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dp_utility import validation_problems
-
     torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size)
+    eval_rows = harness.validation_problems(args.eval_size)
 
     def run(client_level: dict | None) -> dict:
         privacy = {"enabled": False, "deterministic": True}
@@ -204,7 +192,7 @@ def utility(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--dim", type=int, default=29696, help="parameters per update (default: a LoRA r=8 size)")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--clip", type=float, default=0.05)
@@ -221,10 +209,10 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=256)
     parser.add_argument("--eval-size", type=int, default=128)
     parser.add_argument("--utility-bits", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args()
 
-    payload: dict = {"command": " ".join(sys.argv), "clients": args.clients, "dim": args.dim,
+    payload: dict = {"command": harness.command_line(), "clients": args.clients, "dim": args.dim,
                      "threshold": THRESHOLD, "clip_norm": args.clip, "noise_multiplier": args.noise}
     payload["discretisation"] = discretisation(args)
     print(f"discretisation: {args.clients} clients, {args.dim} parameters, C={args.clip}, z={args.noise}, "
@@ -246,9 +234,7 @@ def main() -> None:
             spent = arm["epsilon_client_level"]
             print(f"  {name:<20} accuracy {arm['accuracy_per_round'][0]:.3f} -> {arm['accuracy_per_round'][-1]:.3f}"
                   + ("" if spent is None else f"  client-level epsilon {spent:.4g}"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "client_level_dp.json").write_text(json.dumps(payload, indent=2))
-    print(f"wrote {args.out / 'client_level_dp.json'}")
+    harness.write_json(args.out / "client_level_dp.json", payload)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
-"""Sparse uploads (``compression.density``, ``flwr_verl/federation/compression.py``): held-out accuracy
-against rounds, and bytes uploaded, at densities 1, 0.25 and 0.05, under DP at epsilon 8.
+"""Sparse uploads (``compression.density``, ``flwr_verl/federation/compression.py``): held-out
+accuracy against rounds, and bytes uploaded, at densities 1, 0.25 and 0.05, under DP at epsilon 8.
+
+Goal: bytes scale with density; the accuracy each density keeps has no target set.
+
+    python benchmarks/compression.py [--rounds 4] [--seeds 1] [--densities 1 0.25 0.05] [--out DIR]
 
 At density d < 1 every client sends the same round-seeded d share of the adapter's coordinates
 and keeps the rest as its error-feedback residual (Stich et al. 2018). The real client and
@@ -19,23 +23,16 @@ vector SecAgg+ receives) and what SecAgg+ puts on the wire for it (8 bytes per c
 Flower 1.42's masked int64 vectors, see README). Training uses the engine defaults
 (``actor.lr``), DP-SGD with each client's noise set for ``--target-epsilon`` over the run;
 nothing is tuned on the evaluation set.
-
-    python benchmarks/compression.py [--rounds 4] [--seeds 1] [--densities 1 0.25 0.05] [--out DIR]
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
-import sys
+import statistics
 import time
-import warnings
-from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+harness.quiet()
 
 SECAGG_BYTES_PER_COORDINATE = 8  # Flower 1.42's SecAgg+ masks and sends int64 whatever the modulus (README)
 
@@ -87,9 +84,7 @@ def run(args, density: float, seed: int, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from dp_utility import federation_parser, federation_setup
-
-    parser = federation_parser(__doc__, rounds=4, train_size=256)
+    parser = harness.federation_parser(__doc__, rounds=4, train_size=256)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--local-iterations", type=int, default=5)
     parser.add_argument("--target-epsilon", type=float, default=8.0, help="over the run, as lora_aggregation.py")
@@ -98,7 +93,7 @@ def main() -> None:
 
     import numpy as np
 
-    eval_rows = federation_setup(args)
+    eval_rows = harness.federation_setup(args)
     runs = []
     for seed in range(args.seeds):
         for density in args.densities:
@@ -118,11 +113,11 @@ def main() -> None:
         summary[str(density)] = {
             "eval_reward_by_round_median": np.median(curves, 0).tolist(),
             "eval_reward_by_round_range": [curves.min(0).tolist(), curves.max(0).tolist()],
-            "gain_median": float(np.median(gains)), "gain_range": [float(gains.min()), float(gains.max())],
+            **harness.median_range("gain", gains.tolist()),
             "coordinates_up_per_client": last["coordinates_up_per_client"],
             "bytes_sent_per_client": last["bytes_sent_per_client"],
             "secagg_wire_bytes_per_client": last["coordinates_up_per_client"] * SECAGG_BYTES_PER_COORDINATE,
-            "seconds_median": float(np.median([r["seconds"] for r in items])),
+            "seconds_median": statistics.median(r["seconds"] for r in items),
         }
     dense = summary[str(max(args.densities))]["bytes_sent_per_client"]
     print(f"{'density':>8s} {'reward by round (median)':>36s} {'gain (range)':>22s} {'coords up':>10s} "
@@ -132,15 +127,12 @@ def main() -> None:
         print(f"{density:>8s} {curve:>36s} {s['gain_median']:+.3f} [{s['gain_range'][0]:+.3f}, "
               f"{s['gain_range'][1]:+.3f}] {s['coordinates_up_per_client']:>10d} {s['bytes_sent_per_client']:>9d} "
               f"{s['bytes_sent_per_client'] / dense:>7.3f}")
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_rss_mib = harness.peak_rss_mib()
     print(f"aggregation: SecAgg+ arithmetic in process (weighted mean of aligned vectors; no masking or "
           f"quantization); peak RSS {peak_rss_mib:.0f} MiB")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "compression.json"
-    path.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                "aggregation": "inprocess.fit_round(secure=True): SecAgg+ arithmetic, no masking",
-                                "summary": summary, "peak_rss_mib": peak_rss_mib, "runs": runs}, indent=2))
-    print(f"wrote {path}")
+    harness.write_json(args.out / "compression.json", {
+        "settings": vars(args), "aggregation": "inprocess.fit_round(secure=True): SecAgg+ arithmetic, no masking",
+        "summary": summary, "peak_rss_mib": peak_rss_mib, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,29 +1,27 @@
-"""The default job, run for real several times: ``flwr run . --stream`` with pyproject.toml's
-config (3 simulated clients, 8 rounds, DP and SecAgg+), each run isolated (its own FLWR_HOME,
-SuperLink ports, Ray dir; ``deploy/simulation.py``) and importing this checkout's flwr_verl.
+"""The default job, run for real several times: held-out accuracy by round of ``flwr run .
+--stream`` with pyproject.toml's config (3 simulated clients, 8 rounds, DP and SecAgg+), and
+the median and range of its rise over ``--runs`` runs.
 
-Every run draws fresh DP noise and batches (``privacy.deterministic`` is off, as in production),
-so the curve differs from run to run: reported are each run's held-out accuracy by round, and the
-median and range of round 0, the last round and the rise over ``--runs`` runs.
+Goal: a median rise of at least 0.2 in held-out accuracy by the last round.
 
     python benchmarks/default_job.py [--runs 3]
+
+Each run is isolated (its own FLWR_HOME, SuperLink ports, Ray dir; ``deploy/simulation.py``) and
+imports this checkout's flwr_verl. Every run draws fresh DP noise and batches
+(``privacy.deterministic`` is off, as in production), so the curve differs from run to run:
+reported are each run's held-out accuracy by round, and the median and range of round 0, the
+last round and the rise.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
+import harness
+from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env
 
 ROUND_ZERO = re.compile(r"round 0/\d+: held-out accuracy ([0-9.]+)")
 ROUND = re.compile(r"round (\d+)/\d+: .*?held-out accuracy ([0-9.]+)")
@@ -32,7 +30,7 @@ EPSILON = re.compile(r"epsilon ([0-9.]+)")
 
 def one_run(root: Path, timeout: float) -> dict:
     env = isolated_env(root)
-    env["PYTHONPATH"] = str(REPO)  # the app's FAB holds no weights: the shipped model is found here
+    env["PYTHONPATH"] = str(harness.REPO)  # the app's FAB holds no weights: the shipped model is found here
     started = time.perf_counter()
     try:
         done = flwr_run_simulation(env, root, {}, num_supernodes=3, timeout=timeout)
@@ -51,16 +49,11 @@ def one_run(root: Path, timeout: float) -> dict:
             "seconds": time.perf_counter() - started, "log": str(root / "flwr_run.log")}
 
 
-def spread(values: list[float], signed: bool = False) -> str:
-    f = "{:+.3f}" if signed else "{:.3f}"
-    return f"{f.format(statistics.median(values))} ({f.format(min(values))} to {f.format(max(values))})"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "default_job.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "default_job.json")
     args = parser.parse_args()
     runs = []
     for index in range(args.runs):
@@ -72,9 +65,10 @@ def main() -> None:
     first = [r["accuracy_per_round"][0] for r in runs]
     last = [r["accuracy_per_round"][-1] for r in runs]
     rise = [b - a for a, b in zip(first, last)]
-    print(f"{args.runs} runs: round 0 {spread(first)}, last round {spread(last)}, rise {spread(rise, True)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": runs}, indent=2))
+    print(f"{args.runs} runs: round 0 {harness.format_spread(harness.spread(first))}, "
+          f"last round {harness.format_spread(harness.spread(last))}, "
+          f"rise {harness.format_spread(harness.spread(rise), '+.3f')}")
+    harness.write_json(args.out, {"runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Cost of generation-time de-identification (``flwr_verl.privacy.deidentify``, MemFree decoding).
+"""Cost of generation-time de-identification (``flwr_verl.privacy.deidentify``, MemFree
+decoding): rollout generation time with the filter over without it, and the filter's size and
+build time.
+
+Goal: at most 1.1x.
+
+    python benchmarks/deidentify_overhead.py [--repeats 7] [--clock cpu] [--out benchmarks/results/deidentify_overhead.json]
 
 Rollout generation (``rollout.generate``, sampled, as in training) is timed with and without the
 filter on the same prompts, side by side, alternating the order every repeat; the figure is the
@@ -19,25 +25,19 @@ Also reported: the filter's size in bytes per protected token (both Bloom filter
 the time to build it.
 
 ``--clock cpu`` times with the thread's CPU time instead of wall time (as ``dp_overhead.py``).
-
-    python benchmarks/deidentify_overhead.py [--repeats 7] [--clock cpu] [--out benchmarks/results/deidentify_overhead.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import resource
+import functools
 import statistics
 import time
 import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
+import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
-clock = CLOCKS["wall"]
+warnings.filterwarnings("ignore")
 
 
 def embedded_workload():
@@ -80,7 +80,7 @@ def wide_vocab_workload():
     return policy, tokenizer, rows, config, texts, vocab
 
 
-def measure(name: str, workload, repeats: int, warmup: int) -> dict:
+def measure(name: str, workload, repeats: int, warmup: int, clock) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
@@ -92,18 +92,17 @@ def measure(name: str, workload, repeats: int, warmup: int) -> dict:
     protected = ProtectedNgrams.from_texts(tokenizer, texts, ngram=6, false_positive_rate=1e-4)
     build_seconds = time.perf_counter() - start
     processors = LogitsProcessorList([NoVerbatimNgrams(protected)])
-    variants = {"plain": None, "filtered": processors}
-    times = {v: [] for v in variants}
-    for repeat in range(warmup + repeats):
-        order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
-        for variant in order:
-            torch.manual_seed(repeat)
-            begin = clock()
-            generate(policy, tokenizer, rows, config.rollout, config.data.max_prompt_length,
-                     logits_processor=variants[variant])
-            if repeat >= warmup:
-                times[variant].append(clock() - begin)
-    ratios = sorted(f / p for f, p in zip(times["filtered"], times["plain"]))
+
+    def generate_seconds(logits_processor, repeat: int) -> float:
+        torch.manual_seed(repeat)  # both variants sample the same way in a repeat
+        begin = clock()
+        generate(policy, tokenizer, rows, config.rollout, config.data.max_prompt_length,
+                 logits_processor=logits_processor)
+        return clock() - begin
+
+    times = harness.interleaved({"plain": functools.partial(generate_seconds, None),
+                                 "filtered": functools.partial(generate_seconds, processors)}, repeats, warmup)
+    slowdown = harness.paired_ratios(times["filtered"], times["plain"])
     # Worst case: every row's context is a protected prefix (the first 5 tokens of a passage).
     ids = [s for s in tokenizer(texts, add_special_tokens=False)["input_ids"] if len(s) >= protected.ngram]
     context = torch.tensor([s[: protected.ngram - 1] for s in ids[: len(rows) * config.rollout.n]])
@@ -121,27 +120,26 @@ def measure(name: str, workload, repeats: int, warmup: int) -> dict:
         "bytes_per_protected_token": protected.nbytes / protected.num_tokens,
         "build_seconds": build_seconds, "repeats": repeats, "torch_threads": torch.get_num_threads(),
         "generate_seconds_median": {v: statistics.median(t) for v, t in times.items()},
-        "slowdown_median": statistics.median(ratios), "slowdown_range": [ratios[0], ratios[-1]],
+        "slowdown_median": slowdown["median"], "slowdown_range": slowdown["range"],
         "full_check_ms_per_step": 1000 * statistics.median(full),
         "decode_ms_per_step": 1000 * statistics.median(times["plain"]) / config.rollout.response_length,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+    parser.add_argument("--clock", choices=tuple(harness.CLOCKS), default="wall",
                         help="cpu: the thread's CPU time, which leaves out waiting for a core on a shared machine")
-    parser.add_argument("--out", type=Path, default=RESULTS / "deidentify_overhead.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "deidentify_overhead.json")
     args = parser.parse_args()
-    global clock
-    clock = CLOCKS[args.clock]
     import torch
 
     torch.set_num_threads(1)
-    results = [measure("embedded", embedded_workload, args.repeats, args.warmup),
-               measure("wide-vocab", wide_vocab_workload, args.repeats, args.warmup)]
+    clock = harness.CLOCKS[args.clock]
+    results = [measure("embedded", embedded_workload, args.repeats, args.warmup, clock),
+               measure("wide-vocab", wide_vocab_workload, args.repeats, args.warmup, clock)]
     for r in results:
         lo, hi = r["slowdown_range"]
         print(f"{r['workload']:10s} vocab {r['vocab_size']:6d}, {r['prompts']}x{r['responses_per_prompt']} x "
@@ -151,11 +149,9 @@ def main() -> None:
               f"tokens = {r['bytes_per_protected_token']:.2f} B/token, built in {r['build_seconds']:.2f} s; "
               f"worst-case check {r['full_check_ms_per_step']:.2f} ms/step vs decode {r['decode_ms_per_step']:.2f} "
               "ms/step")
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mib = harness.peak_rss_mib()
     print(f"clock {args.clock}; peak RSS {peak_mib:.0f} MiB")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"clock": args.clock, "peak_rss_mib": peak_mib, "workloads": results}, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, {"clock": args.clock, "peak_rss_mib": peak_mib, "workloads": results})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Time and memory cost of DP-SGD for the local PPO update.
+"""Time and memory cost of DP-SGD for the local PPO update: DP time over non-DP time, for the
+update alone and for the whole iteration, and the peak RSS rise over an update.
+
+Goal: at most 1.15x for the update and 1.05x for the whole iteration.
+
+    python benchmarks/dp_overhead.py [--repeats 200] [--clock cpu] [--out benchmarks/results/dp_overhead.json]
 
 On the embedded model with the default engine config (privacy on, grpo, 32 prompts x 4
 responses, one mini-batch), one batch is rolled out once; then the policy update on that
@@ -21,8 +26,6 @@ with their interquartile range and full range. ``--clock cpu`` times with the th
 the time the benchmark waits for a core. Peak memory is the rise of the process's peak resident set (VmHWM, reset through
 /proc/self/clear_refs) over one update, each variant in a fresh process (after a warm-up update,
 median of 3, large blocks returned to the OS on free) so that RSS follows live memory.
-
-    python benchmarks/dp_overhead.py [--repeats 200] [--clock cpu] [--out benchmarks/results/dp_overhead.json]
 """
 
 from __future__ import annotations
@@ -30,23 +33,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
+import harness
+
 warnings.filterwarnings("ignore")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("none", "hooks", "functorch")
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
-clock = CLOCKS["wall"]
 
 
 def setup(seed: int = 0):
@@ -105,14 +104,14 @@ def started_fit(state: dict, variant: str):
         yield trainer, fit
 
 
-def timed_update(state: dict, variant: str) -> float:
+def timed_update(state: dict, variant: str, clock) -> float:
     with started_fit(state, variant) as (trainer, fit):
         start = clock()
         trainer._update(fit, state["batch"], num_units=state["num_units"])
         return clock() - start
 
 
-def timed_iteration(state: dict, variant: str, seed: int) -> float:
+def timed_iteration(state: dict, variant: str, seed: int, clock) -> float:
     """One whole iteration of a started fit of ``variant`` on ``state["prompts"]``, rollout seeded."""
     with started_fit(state, variant) as (trainer, fit):
         fit.batches = itertools.repeat(state["prompts"])
@@ -122,19 +121,12 @@ def timed_iteration(state: dict, variant: str, seed: int) -> float:
         return clock() - start
 
 
-def ratio_stats(dp: list[float], plain: list[float]) -> dict:
-    """Median, interquartile range and range of the per-repeat ratios dp / plain."""
-    ratios = sorted(d / n for d, n in zip(dp, plain))
-    return {"median": statistics.median(ratios), "quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
-            "range": [ratios[0], ratios[-1]]}
-
-
 def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
 def memory_child(variant: str, repeats: int = 3) -> None:
-    """In a fresh process: peak RSS rise over one update of ``variant`` (printed as JSON).
+    """In a fresh process: peak RSS rise over one update of ``variant`` (``harness.print_result``).
 
     One warm-up update first (lazy one-time allocations), then the median over ``repeats``
     updates of (VmHWM after the update - VmRSS before it), with VmHWM reset before each. The
@@ -154,51 +146,42 @@ def memory_child(variant: str, repeats: int = 3) -> None:
             peak = _kib("VmHWM")
         if repeat:
             rises.append((peak - base) / 1024)
-    print(json.dumps({"variant": variant, "peak_rise_mib": statistics.median(rises), "rises_mib": rises}))
+    harness.print_result({"variant": variant, "peak_rise_mib": statistics.median(rises), "rises_mib": rises})
 
 
 def measure_memory(variants) -> dict:
     if not Path("/proc/self/clear_refs").exists():
         return {}
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = {}
-    for variant in variants:
-        proc = subprocess.run([sys.executable, __file__, "--memory-child", variant], capture_output=True, text=True,
-                              env=env, check=True)
-        out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    return {variant: harness.child_result([sys.executable, __file__, "--memory-child", variant], env=env)
+            for variant in variants}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=200,
                         help="paired repeats (the ratios' IQR is about 0.1 wide: 30 cannot resolve a 5%% goal)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["hooks", "functorch"], choices=["hooks", "functorch"])
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
-    parser.add_argument("--out", type=Path, default=RESULTS / "dp_overhead.json")
+    parser.add_argument("--clock", choices=tuple(harness.CLOCKS), default="wall")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "dp_overhead.json")
     parser.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(args.memory_child)
         return
-    global clock
-    clock = CLOCKS[args.clock]
-
+    clock = harness.CLOCKS[args.clock]
     state = setup()
     trainer = state["trainers"]["none"]
     variants = ["none", *args.modes]
-    times = {v: [] for v in variants}
-    iteration_times = {v: [] for v in variants}
-    for repeat in range(args.warmup + args.repeats):
-        shift = repeat % len(variants)  # rotate the order: no variant always runs first
-        for variant in variants[shift:] + variants[:shift]:
-            update_seconds = timed_update(state, variant)
-            iteration_seconds = timed_iteration(state, variant, seed=repeat)
-            if repeat >= args.warmup:
-                times[variant].append(update_seconds)
-                iteration_times[variant].append(iteration_seconds)
+
+    def update_and_iteration(variant: str):
+        return lambda repeat: (timed_update(state, variant, clock), timed_iteration(state, variant, repeat, clock))
+
+    measured = harness.interleaved({v: update_and_iteration(v) for v in variants}, args.repeats, args.warmup)
+    times = {v: [update for update, _ in pairs] for v, pairs in measured.items()}
+    iteration_times = {v: [iteration for _, iteration in pairs] for v, pairs in measured.items()}
 
     result = {
         "setup": {
@@ -215,8 +198,9 @@ def main() -> None:
         },
         "update_seconds_median": {v: statistics.median(t) for v, t in times.items()},
         "iteration_seconds_median": {v: statistics.median(t) for v, t in iteration_times.items()},
-        "update_ratio": {mode: ratio_stats(times[mode], times["none"]) for mode in args.modes},
-        "iteration_ratio": {mode: ratio_stats(iteration_times[mode], iteration_times["none"]) for mode in args.modes},
+        "update_ratio": {mode: harness.paired_ratios(times[mode], times["none"]) for mode in args.modes},
+        "iteration_ratio": {mode: harness.paired_ratios(iteration_times[mode], iteration_times["none"])
+                            for mode in args.modes},
     }
     if not args.no_memory:
         result["peak_memory"] = measure_memory(variants)
@@ -236,9 +220,7 @@ def main() -> None:
         if "peak_memory" in result and variant in result["peak_memory"]:
             line += f"\n    peak RSS rise over an update {result['peak_memory'][variant]['peak_rise_mib']:.1f} MiB"
         print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

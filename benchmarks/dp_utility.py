@@ -1,4 +1,9 @@
-"""What differential privacy costs in reward: the embedded task at epsilon 1, 3, 8 and without DP.
+"""What differential privacy costs in reward: held-out accuracy of the embedded task at epsilon
+1, 3, 8 and without DP, and the share of the non-private accuracy gain each epsilon keeps.
+
+Goal: at epsilon 8, at least 90% of the non-private gain.
+
+    python benchmarks/dp_utility.py [--iterations 80] [--train-size 2048] [--seeds 1] [--out DIR]
 
 The default federated run is emulated in one process, without Flower's transport: ``--clients``
 clients (3), each with its own share of the prompts (``flwr_verl.engine.data.load_rows``, iid), run
@@ -16,70 +21,25 @@ reproducibility (never in production: a known seed reveals the noise).
 The reward is the greedy exact-match accuracy of the global adapter on the task's validation
 problems (all of them, or ``--eval-size`` of them): the split of the problem space that no
 client trains on (``embedded.split_problems``), before training and after each round. Reported:
-final reward per setting, and the share of the non-private reward gain kept at each epsilon
-(goal at epsilon 8: >= 90%).
+final reward per setting, and the share of the non-private reward gain kept at each epsilon.
 
 Learning rates were chosen on the tune split, never on the validation problems: under DP the
 engine's default ``actor.lr`` (3e-3), without DP 1e-3 (``--baseline-lr``; what every arm of
 ``federation.py`` chose on the tune split), so the share of the gain is measured against a
 tuned baseline, not a flattered one. Two runs go in parallel (``--workers``).
-
-    python benchmarks/dp_utility.py [--iterations 80] [--train-size 2048] [--seeds 1] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def validation_problems(limit: int, split: str = "val") -> list[dict]:
-    """Every problem of the task's validation split (or of ``split``) as verl rows (or a fixed
-    sample of ``limit``)."""
-    import random
-
-    from flwr_verl import embedded
-
-    problems = embedded.split_problems(split)
-    if limit:
-        problems = random.Random(12345).sample(problems, min(limit, len(problems)))
-    return [
-        {"data_source": embedded.DATA_SOURCE, "prompt": [{"role": "user", "content": prompt}],
-         "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": split}}
-        for prompt, answer in problems
-    ]
-
-
-def federation_parser(description: str, *, rounds: int, train_size: int) -> argparse.ArgumentParser:
-    """The arguments that the in-process federation benchmarks (compression, heterogeneous,
-    lora_aggregation) share; each adds its own."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--train-size", type=int, default=train_size, help="prompts per client")
-    parser.add_argument("--train-batch-size", type=int, default=16)
-    parser.add_argument("--eval-size", type=int, default=64, help="validation problems")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    return parser
-
-
-def federation_setup(args) -> list[dict]:
-    """One torch thread (figures comparable across machines and runs) and the validation rows."""
-    import torch
-
-    torch.set_num_threads(1)
-    return validation_problems(args.eval_size)
+harness.quiet()
 
 
 def engine(args, *, private: bool, seed: int):
@@ -222,7 +182,7 @@ def _task(args, task: tuple, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 3.0, 8.0])
     parser.add_argument("--iterations", type=int, default=80, help="local iterations per client, all rounds")
     parser.add_argument("--local-iterations", type=int, default=10, help="local iterations per round")
@@ -243,7 +203,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="runs in parallel, one process each")
     parser.add_argument("--skip-baseline", action="store_true", help="no non-private run (for sweeps)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for dp_utility.json and .png")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS, help="directory for dp_utility.json and .png")
     parser.add_argument("--name", default="dp_utility", help="file name stem of the outputs")
     parser.add_argument("--model-path", default="", help="base model directory ('': the embedded model)")
     parser.add_argument("--eval-split", default="val", choices=("val", "tune"),
@@ -253,7 +213,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    eval_rows = validation_problems(args.eval_size, args.eval_split)
+    eval_rows = harness.validation_problems(args.eval_size, args.eval_split)
 
     def report(result: dict) -> None:
         if result["noise_multiplier"] or result["fixed_noise"] is not None:
@@ -298,12 +258,10 @@ def main() -> None:
     kept8 = summary.get("eps_8", {}).get("fraction_of_non_private_gain")
     if kept8 is not None:
         print(f"share of the non-private reward gain kept at epsilon 8: {100 * kept8:.0f}% (goal >= 90%)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"settings": settings, "summary": summary, "runs": runs,
-               "seconds": time.perf_counter() - started}
-    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
+    harness.write_json(args.out / f"{args.name}.json", {"settings": settings, "summary": summary, "runs": runs,
+                                                        "seconds": time.perf_counter() - started})
     plot(runs, summary, args.out / f"{args.name}.png", title)
-    print(f"wrote {args.out / (args.name + '.json')} and {args.name}.png")
+    print(f"wrote {args.out / args.name}.png")
 
 
 if __name__ == "__main__":

@@ -31,22 +31,16 @@ Writes ``--out/dpo.json``: ``pairwise_accuracy`` (``round_0``, ``final``, per sc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import resource
 import subprocess
-import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's flwr_verl; rlhf_pipeline, dp_utility beside it
+import harness
+
+harness.quiet()
 SCORES = ("implicit", "likelihood", "implicit_per_token", "likelihood_per_token")
 
 
@@ -129,7 +123,7 @@ def anchor_trl(args, dpo: dict, workdir: Path) -> dict:
             "lora_rank": args.lora_rank, "seed": args.seed}
     (workdir / "trl.json").write_text(json.dumps(spec))
     print(f"anchor: TRL DPOTrainer on {len(dpo['_train_pairs'])} pairs, {args.trl_epochs} epochs", flush=True)
-    done = subprocess.run([args.trl_python, str(HERE / "trl_dpo_anchor.py"), str(workdir / "trl.json")],
+    done = subprocess.run([args.trl_python, str(harness.BENCHMARKS / "trl_dpo_anchor.py"), str(workdir / "trl.json")],
                           capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"the TRL anchor failed:\n{done.stderr[-3000:]}")
@@ -143,7 +137,7 @@ def anchor_trl(args, dpo: dict, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--epsilon", type=float, default=8.0, help="each stage's; 0: without DP")
     parser.add_argument("--seed", type=int, default=0)
@@ -170,11 +164,10 @@ def main() -> None:
     parser.add_argument("--trl-lr", type=float, default=5e-4)
     parser.add_argument("--trl-batch-size", type=int, default=16)
     parser.add_argument("--no-arms", action="store_true", help="stage dpo (and the anchor) only, for tuning")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args()
 
     import torch
-    from dp_utility import validation_problems
     from rlhf_pipeline import stage2
 
     from flwr_verl.config import ModelConfig, parse_run_config
@@ -183,7 +176,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    eval_rows = validation_problems(args.eval_size, args.eval_split)
+    eval_rows = harness.validation_problems(args.eval_size, args.eval_split)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -215,12 +208,9 @@ def main() -> None:
                               "epsilon": arm["privacy_per_round"][-1]["epsilon"], "seconds": arm["seconds"]}
             result["arms"] = arms
     summarize(args, result)
-    result.update(seconds=time.perf_counter() - started,
-                  peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dpo.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["goals"], indent=1))
-    print(f"wrote {args.out / 'dpo.json'}")
+    result.update(seconds=time.perf_counter() - started, peak_rss_mib=harness.peak_rss_mib())
+    print(json.dumps(result["goals"], indent=2))
+    harness.write_json(args.out / "dpo.json", result)
 
 
 def summarize(args, result: dict) -> None:

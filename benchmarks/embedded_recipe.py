@@ -1,5 +1,10 @@
-"""Choosing the embedded model's recipe on the tune split: each candidate build, then the default
-job emulated in process on it, with held-out accuracy measured on the tune split only.
+"""Choosing the embedded model's recipe: for each candidate build, the default job emulated in
+process on it, and the rise of its held-out accuracy on the tune split.
+
+Goal: no target set (it chooses the recipe: the warm start's length and ``actor.lr`` were chosen
+with it, never on the validation problems).
+
+    python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, batches of 64, 8 rounds of 10
 DP-GRPO iterations at noise multiplier 0.65 (epsilon about 7.2 at delta 1e-5), FedProx mu 0.01,
@@ -10,25 +15,19 @@ as a fresh run of the real job does. The accuracy is greedy exact match on every
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
-
-    python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flwr_verl
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import harness
+from dp_utility import run
 
-from dp_utility import RESULTS, run, validation_problems  # noqa: E402
+harness.quiet()
 
 
 def candidate_dir(builds: Path, recipe: dict) -> Path:
@@ -61,12 +60,13 @@ def _one(task: tuple) -> dict:
 
     torch.set_num_threads(1)
     name, model_path, lr, n, seed = task
-    result = run(job_args(Path(model_path), lr, n), None, seed, validation_problems(0, "tune"), fixed_noise=0.65)
+    result = run(job_args(Path(model_path), lr, n), None, seed, harness.validation_problems(0, "tune"),
+                 fixed_noise=0.65)
     return {"candidate": name, "lr": lr, "n": n, **result}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--steps", default="235", help="comma-separated warm-start step counts")
     parser.add_argument("--build-seeds", default="1234", help="comma-separated recipe seeds")
     parser.add_argument("--warm-start-lr", type=float, default=0.0, help="0: the recipe's")
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--builds", type=Path, default=RESULTS / "embedded_recipes")
-    parser.add_argument("--out", type=Path, default=RESULTS / "embedded_recipe.json")
+    parser.add_argument("--builds", type=Path, default=harness.RESULTS / "embedded_recipes")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "embedded_recipe.json")
     args = parser.parse_args()
 
     from flwr_verl import embedded
@@ -107,15 +107,12 @@ def main() -> None:
     for r in runs:
         groups.setdefault((r["candidate"], r["lr"], r["n"]), []).append(r)
     for (name, lr, n), items in sorted(groups.items()):
-        finals = [r["final_reward"] for r in items]
-        rises = [r["final_reward"] - r["initial_reward"] for r in items]
-        print(f"{name} | {lr:g} | {n} | {items[0]['initial_reward']:.3f} | {statistics.median(finals):.3f} "
-              f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.median(rises):+.3f} "
-              f"({min(rises):+.3f} to {max(rises):+.3f})")
+        finals = harness.spread([r["final_reward"] for r in items])
+        rises = harness.spread([r["final_reward"] - r["initial_reward"] for r in items])
+        print(f"{name} | {lr:g} | {n} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
+              f"{harness.format_spread(rises, '+.3f')}")
     previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": previous + runs, "seconds": time.perf_counter() - started}, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, {"runs": previous + runs, "seconds": time.perf_counter() - started})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""The federation against the engine alone: rounds to a target, bytes on the wire, framework tax.
+"""The federation against the engine alone: rounds to a target held-out accuracy, bytes on the
+wire, and the framework tax (a round's wall time over the clients' compute).
+
+Goal: rounds to target at most 1.3x the centralized arms'; framework tax at most 1.2x.
 
     python benchmarks/federation.py [--rounds 8] [--seeds 5] [--sim-rounds 4]
 
@@ -40,31 +43,25 @@ target, peak RSS) and a PNG of held-out accuracy per round per arm.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # federation_wire (Opacus ships a package named "benchmarks")
+import harness  # first: puts this checkout on sys.path
+import torch
+from federation_wire import bytes_per_message, measure_wire
 
-import torch  # noqa: E402
-from federation_wire import bytes_per_message, measure_wire  # noqa: E402
-
-from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
-from flwr_verl.config import RunConfig, parse_run_config  # noqa: E402
-from flwr_verl.engine.data import Row, load_rows  # noqa: E402
-from flwr_verl.engine.models import build_models  # noqa: E402
-from flwr_verl.engine.trainer import LocalPPOTrainer  # noqa: E402
-from flwr_verl.federation.client import VerlClient  # noqa: E402
-from flwr_verl.federation.inprocess import InProcessClients, fit_round  # noqa: E402
-from flwr_verl.federation.strategy import FedProxAdapters  # noqa: E402
+from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env
+from flwr_verl.config import RunConfig, parse_run_config
+from flwr_verl.engine.data import Row, load_rows
+from flwr_verl.engine.models import build_models
+from flwr_verl.engine.trainer import LocalPPOTrainer
+from flwr_verl.federation.client import VerlClient
+from flwr_verl.federation.inprocess import InProcessClients, fit_round
+from flwr_verl.federation.strategy import FedProxAdapters
 
 CLIENTS = 3
 ARMS = ("federated", "centralized_same_steps", "centralized_3x_steps")
@@ -308,12 +305,12 @@ def report(result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     parser.add_argument("--sim-rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "federation.json"))
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "federation.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -324,14 +321,12 @@ def main() -> None:
               "rounds_to_target": rounds_to_target(args.rounds, args.seeds, tuned, target["delta"]),
               "wire": wire(tuned["federated"]["lr"]),
               "framework_tax": framework_tax(args.sim_rounds, tuned["federated"]["lr"])}
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mib"] = harness.peak_rss_mib()
     result["seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
     report(result)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    harness.write_json(args.out, result)
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Bytes on the wire: the app's real messages, serialized as Flower serializes them.
+"""Bytes on the wire: bytes per client per round, by direction and protocol stage, of the app's
+real messages, serialized as Flower serializes them, for each option (SecAgg+, FFA-LoRA, sparse
+uploads).
+
+Goal: no target set.
+
+    python benchmarks/federation_wire.py [--out DIR]
 
 ``measure_wire(run_config)`` runs the bundled ServerApp (``flwr_verl.federation.server.run_server``) and
 ClientApp (``apps.client_app.app``, with its mods: SecAgg+ included) in this process, over a
@@ -8,8 +14,6 @@ reply straight back. Every message both ways is serialized with Flower's own pro
 receives or sends for it, and counted per node, direction and protocol stage. Nothing is
 estimated: under SecAgg+ the masked int64 vectors, public keys and encrypted shares are the
 ones the protocol produced.
-
-    python benchmarks/federation_wire.py [--out DIR]   # each option, bytes per client per round
 
 Real Flower adds framing (gRPC headers, TLS records) of a few dozen bytes per message; the
 loopback skips the SuperLink's store-and-forward, which changes times, not message contents.
@@ -25,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
+import harness  # first: puts this checkout on sys.path
 from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.server import Grid
@@ -147,13 +152,11 @@ TINY_RUN = {"num-server-rounds": 2, "min-fit-clients": 3, "min-evaluate-clients"
 
 def main() -> None:
     """Bytes per client per round, each option, by direction and stage, and per adapter parameter."""
-    import argparse
-
     from flwr_verl.config import parse_run_config
     from flwr_verl.engine.models import build_models
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser = harness.argument_parser(__doc__)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args()
     results = {}
     for name, option in OPTIONS.items():
@@ -168,10 +171,7 @@ def main() -> None:
         print(f"{name:16s} {params} parameters; per client per round: up {totals['up']:.0f} B "
               f"({totals['up'] / params:.2f} B/param), down {totals['down']:.0f} B "
               f"({totals['down'] / params:.2f} B/param); {stages}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "federation_wire.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {path}")
+    harness.write_json(args.out / "federation_wire.json", results)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""GPU smoke check: device placement, bf16, one fit and one federated round, on a CUDA device.
+"""GPU smoke check: device placement, bf16, one fit and one federated round, on a CUDA device;
+seconds per phase and peak device memory.
+
+Goal: every check passes (a check, not a measurement: no target set for its figures).
 
     python benchmarks/gpu_check.py                 # CUDA; exits 2 with a message when torch sees none
     python benchmarks/gpu_check.py --device cpu    # the same checks on the CPU (to test the script)
@@ -18,13 +21,11 @@ Any failed check exits 1 with the list of failures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import harness
 
 
 def check(device: str, dtype: str, privacy: bool) -> dict:
@@ -84,9 +85,9 @@ def check(device: str, dtype: str, privacy: bool) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "gpu_check.json")
     args = parser.parse_args()
     import torch
 
@@ -100,10 +101,8 @@ def main() -> int:
         print(f"{r['device']} {r['dtype']:8s} dp={'on ' if r['privacy'] else 'off'} round {r['round_seconds']:.2f} s, "
               f"fit {r['fit_seconds']:.2f} s{memory}, eval accuracy {r['eval_accuracy']:.3f}: "
               + ("ok" if not r["failures"] else "FAILED " + "; ".join(r["failures"])))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                                    "torch": torch.__version__, "results": results}, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                                  "torch": torch.__version__, "results": results})
     return 1 if any(r["failures"] for r in results) else 0
 
 

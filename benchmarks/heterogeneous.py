@@ -1,6 +1,11 @@
-"""Clients with different compute: per-node budgets of 2, 5 and 10 local iterations against
-uniform budgets with the same total (6, 6, 5 = 17 iterations a round), with FedProx's mean and
-with FedNova's normalised averaging (``aggregation = "fednova"``, Wang et al. 2020).
+"""Clients with different compute: held-out accuracy and round wall time with per-node budgets
+of 2, 5 and 10 local iterations against uniform budgets with the same total (6, 6, 5 = 17
+iterations a round), with FedProx's mean and with FedNova's normalised averaging
+(``aggregation = "fednova"``, Wang et al. 2020).
+
+Goal: no target set.
+
+    python benchmarks/heterogeneous.py [--rounds 4] [--seeds 1] [--out DIR]
 
 The real client and strategy code (``VerlClient`` with a ``config.LocalBudget`` per client,
 ``FedProxAdapters``) run in one process through ``inprocess.fit_round``; the round asks for
@@ -9,22 +14,15 @@ and round: greedy reward of the global adapter on ``--eval-size`` validation pro
 from all training prompts), the iterations each client ran, and the round's wall time as a
 federation would see it: the slowest client's fit (clients train in parallel), and here, where
 they run one after another, the sum.
-
-    python benchmarks/heterogeneous.py [--rounds 4] [--seeds 1] [--out DIR]
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-import warnings
-from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+harness.quiet()
 
 ARMS = {  # name: (local-iterations per node, aggregation)
     "uniform_6_6_5": ((6, 6, 5), "mean"),
@@ -71,9 +69,7 @@ def run(args, arm: str, seed: int, eval_rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from dp_utility import federation_parser, federation_setup
-
-    parser = federation_parser(__doc__, rounds=4, train_size=512)
+    parser = harness.federation_parser(__doc__, rounds=4, train_size=512)
     parser.add_argument("--lr", type=float, default=1e-3, help="actor.lr (the no-DP choice of federation.py)")
     parser.add_argument("--proximal-mu", type=float, default=0.01)
     parser.add_argument("--dp", action="store_true", help="train under DP (privacy.noise_multiplier default)")
@@ -81,7 +77,7 @@ def main() -> None:
 
     import numpy as np
 
-    eval_rows = federation_setup(args)
+    eval_rows = harness.federation_setup(args)
     runs = []
     for seed in range(args.seeds):
         for arm in ARMS:
@@ -106,11 +102,7 @@ def main() -> None:
             "iterations_per_round": sum(later[0]["iterations"].values()),
         }
         print(f"{arm:24s} " + ", ".join(f"{k} {v}" for k, v in summary[arm].items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "heterogeneous.json"
-    path.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                "runs": runs}, indent=2))
-    print(f"wrote {path}")
+    harness.write_json(args.out / "heterogeneous.json", {"settings": vars(args), "summary": summary, "runs": runs})
 
 
 if __name__ == "__main__":

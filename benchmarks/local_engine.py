@@ -1,4 +1,10 @@
-"""Speed and memory of the local RL engine (one client, no federation).
+"""Speed and memory of the local RL engine (one client, no federation): iteration time, rollout
+tokens/s, update time per sample, and peak RSS against the model and optimizer state.
+
+Goal: peak RSS / (model + optimizer state) at most 1.3.
+
+    python benchmarks/local_engine.py [--variants dp nodp] [--processes 2] [--iterations 8]
+                                      [--set rollout.n=8] [--out benchmarks/results/local_engine.json]
 
 Each variant runs in fresh processes (``--processes`` of them): build the trainer on the
 embedded model with the default engine config (or ``--set key=value`` overrides), run
@@ -9,58 +15,42 @@ embedded model with the default engine config (or ``--set key=value`` overrides)
 
 Memory, per process: peak RSS (``getrusage``'s ru_maxrss) against the bytes the job needs by
 definition, the model (parameters and buffers of policy, and critic for gae) plus the adapter
-optimizer state (AdamW's two moments). The goal is a ratio <= 1.3. The ratio is also given with
-the process's RSS after the imports and before the model is loaded subtracted (``above imports``),
-which separates what the Python/torch/verl runtime costs from what the engine costs.
+optimizer state (AdamW's two moments). The ratio is also given with the process's RSS after
+the imports and before the model is loaded subtracted (``above imports``), which separates what
+the Python/torch/verl runtime costs from what the engine costs.
 
 Figures are medians over all timed iterations of all processes (timing) and over processes
 (memory).
-
-    python benchmarks/local_engine.py [--variants dp nodp] [--processes 2] [--iterations 8]
-                                      [--set rollout.n=8] [--out benchmarks/results/local_engine.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import harness
+
 warnings.filterwarnings("ignore")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {  # name -> run-config overrides on top of the defaults
     "dp": {},  # the default engine: DP-GRPO (Opacus hooks)
     "nodp": {"privacy.enabled": False},
     "gae": {"privacy.enabled": False, "algorithm.adv_estimator": "gae"},  # with a critic
 }
-MIB = 1024 * 1024
-
-
-def rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> dict:
-    """One process: build, warm up, time ``iterations`` iterations; memory figures at the end."""
-    start_rss = rss()
+    """One process: build, warm up, time ``iterations`` iterations; memory figures at the end
+    (resident sets in MiB, tensors in bytes)."""
+    start_rss = harness.rss_mib()
     import torch
 
     from flwr_verl.config import parse_run_config
@@ -72,9 +62,9 @@ def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> d
     embedded_model_path()  # check the shipped model's files now, not inside the measurement
     config = parse_run_config({**read_run_config(None, overrides), **VARIANTS[variant]}).engine
     rows = load_rows(config.data, "train", config.trainer.seed)
-    imports_rss = rss()
+    imports_rss = harness.rss_mib()
     trainer = LocalPPOTrainer(config, rows)
-    model_rss = rss()
+    model_rss = harness.rss_mib()
     trainer.fit(warmup, seed=1)
     with trainer.start_fit(seed=2) as fit:
         metrics = [m for m in (trainer.iteration(fit) for _ in range(iterations)) if m.get("prompts")]
@@ -93,7 +83,7 @@ def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> d
         "update_s_per_prompt": [m["time_update"] / m["prompts"] for m in metrics],
         "iteration_s": [sum(v for k, v in m.items() if k.startswith("time_")) for m in metrics],
         "prompts": [m["prompts"] for m in metrics],
-        "start_rss": start_rss, "imports_rss": imports_rss, "model_rss": model_rss, "peak_rss": peak_rss(),
+        "start_rss": start_rss, "imports_rss": imports_rss, "model_rss": model_rss, "peak_rss": harness.peak_rss_mib(),
         "model_bytes": model_bytes, "adapter_bytes": adapter_bytes, "optimizer_bytes": optimizer_bytes,
         "setup": {
             "estimator": config.algorithm.adv_estimator, "privacy": config.privacy.enabled,
@@ -120,36 +110,37 @@ def summarize(runs: list[dict]) -> dict:
         "update_ms_per_prompt": 1000 * median(flat("update_s_per_prompt")),
         "iteration_s": median(flat("iteration_s")),
         "memory_mib": {
-            "model": median(r["model_bytes"] for r in runs) / MIB,
-            "adapters": median(r["adapter_bytes"] for r in runs) / MIB,
-            "adapter_optimizer_state": median(r["optimizer_bytes"] for r in runs) / MIB,
-            "rss_at_start": median(r["start_rss"] for r in runs) / MIB,
-            "rss_after_imports": median(r["imports_rss"] for r in runs) / MIB,
-            "rss_after_model_load": median(r["model_rss"] for r in runs) / MIB,
-            "peak_rss": median(r["peak_rss"] for r in runs) / MIB,
-            "peak_rss_per_process": [r["peak_rss"] / MIB for r in runs],
+            "model": median(r["model_bytes"] for r in runs) / harness.MIB,
+            "adapters": median(r["adapter_bytes"] for r in runs) / harness.MIB,
+            "adapter_optimizer_state": median(r["optimizer_bytes"] for r in runs) / harness.MIB,
+            "rss_at_start": median(r["start_rss"] for r in runs),
+            "rss_after_imports": median(r["imports_rss"] for r in runs),
+            "rss_after_model_load": median(r["model_rss"] for r in runs),
+            "peak_rss": median(r["peak_rss"] for r in runs),
+            "peak_rss_per_process": [r["peak_rss"] for r in runs],
         },
         # Goal: <= 1.3. The whole process against model + optimizer state:
-        "peak_rss_ratio": median(r["peak_rss"] / b for r, b in zip(runs, needed)),
+        "peak_rss_ratio": median(r["peak_rss"] * harness.MIB / b for r, b in zip(runs, needed)),
         # The same with the runtime (interpreter, torch, transformers, verl, opacus) taken out:
-        "peak_rss_above_imports_ratio": median((r["peak_rss"] - r["imports_rss"]) / b for r, b in zip(runs, needed)),
+        "peak_rss_above_imports_ratio": median((r["peak_rss"] - r["imports_rss"]) * harness.MIB / b
+                                               for r, b in zip(runs, needed)),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--variants", nargs="+", default=["dp", "nodp"], choices=list(VARIANTS))
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=8, help="timed iterations per process")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="engine config override, a TOML literal as in flwr-verl-baseline --set")
-    parser.add_argument("--out", type=Path, default=RESULTS / "local_engine.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "local_engine.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = args.set  # parsed in the child, as flwr_verl.tools.baseline parses --set
     if args.child:
-        print("RESULT" + json.dumps(child(args.child, overrides, args.warmup, args.iterations)))
+        harness.print_result(child(args.child, overrides, args.warmup, args.iterations))
         return
 
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -160,9 +151,7 @@ def main() -> None:
         for _ in range(args.processes):
             command = [sys.executable, __file__, "--child", variant, "--warmup", str(args.warmup),
                        "--iterations", str(args.iterations), *(f"--set={item}" for item in args.set)]
-            proc = subprocess.run(command, capture_output=True, text=True, check=True,
-                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            runs.append(json.loads(next(line[6:] for line in proc.stdout.splitlines() if line.startswith("RESULT"))))
+            runs.append(harness.child_result(command, env={**os.environ, "PYTHONWARNINGS": "ignore"}))
         summary = result["variants"][variant] = summarize(runs)
         setup, memory = summary["setup"], summary["memory_mib"]
         print(f"{variant}: {setup['estimator']}, privacy {'on' if setup['privacy'] else 'off'}, "
@@ -179,9 +168,7 @@ def main() -> None:
               f"peak {memory['peak_rss']:.0f}")
         print(f"  peak RSS / (model + optimizer state) = {summary['peak_rss_ratio']:.1f} (goal <= 1.3); "
               f"(peak - RSS after imports) / (model + optimizer state) = {summary['peak_rss_above_imports_ratio']:.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

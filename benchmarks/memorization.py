@@ -1,4 +1,10 @@
-"""What the global model remembers of one client's secrets: exposure and verbatim reproduction.
+"""What the global model remembers of one client's secrets: exposure (bits) and verbatim
+reproduction of planted secrets, without DP, with DP, and with DP behind the de-identification
+filter.
+
+Goal: no target set; the filter reproduces nothing (exposure 0).
+
+    nice -n 5 python benchmarks/memorization.py [--seeds 2] [--secrets 8] [--copies 4] [--out FILE]
 
 Secrets in the format of an identifier, ``dddd-dddd`` (the embedded tokenizer knows only digits
 and ``+-=``; think "patient id 4821-9930"), are planted in one client's private prompts: the
@@ -26,26 +32,20 @@ the generation-time filter (``deidentify.NoVerbatimNgrams``, MemFree decoding) b
 organisation's own records (the full secrets) as its protected corpus. The filter applies to
 exposure too: a token it blocks has probability 0 in the distribution the model is served with.
 Medians and ranges are over secrets and seeds.
-
-    nice -n 5 python benchmarks/memorization.py [--seeds 2] [--secrets 8] [--copies 4] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import resource
-import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
+import harness
+
 warnings.filterwarnings("ignore")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SECRET_SOURCE = "benchmarks/secret"
 DIGITS = "0123456789"
 HALF = 4  # digits in each half of a secret
@@ -192,7 +192,7 @@ def summarise(per_seed: list[dict[str, list[dict]]], samples: int) -> dict:
         entries = [e for arms in per_seed for e in arms[arm]]
         exposures = [e["exposure"] for e in entries]
         summary[arm] = {
-            "exposure_median": statistics.median(exposures), "exposure_range": [min(exposures), max(exposures)],
+            **harness.median_range("exposure", exposures),
             "secrets": len(entries),
             "greedy_reproduced": sum(e["greedy_reproduced"] for e in entries),
             "sampled_reproduced_secrets": sum(e["sampled_reproduced"] > 0 for e in entries),
@@ -205,7 +205,7 @@ def summarise(per_seed: list[dict[str, list[dict]]], samples: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--secrets", type=int, default=8)
     parser.add_argument("--copies", type=int, default=4)
@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon of the dp arms")
     parser.add_argument("--samples", type=int, default=64, help="sampled responses per secret")
     parser.add_argument("--ngram", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=RESULTS / "memorization.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "memorization.json")
     args = parser.parse_args()
     import torch
 
@@ -233,15 +233,12 @@ def main() -> None:
         print(f"{arm:9s} exposure median {s['exposure_median']:.2f} bits (range {lo:.2f}-{hi:.2f}, max "
               f"{math.log2(10 ** HALF):.1f}) over {s['secrets']} secrets; greedy reproduced {s['greedy_reproduced']}, "
               f"sampled: {s['sampled_reproduced_secrets']} secrets ever, rate {s['sampled_reproduction_rate']:.4f}{eps}")
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result = {"command": " ".join(["python", *sys.argv]), "config": {k: (str(v) if isinstance(v, Path) else v)
-                                                                     for k, v in vars(args).items()},
-              "summary": summary, "per_seed": per_seed, "peak_rss_mib": peak_mib,
-              "torch_threads": torch.get_num_threads(), "seconds": time.perf_counter() - started}
+    peak_mib = harness.peak_rss_mib()
+    result = {"command": harness.command_line(), "config": vars(args), "summary": summary, "per_seed": per_seed,
+              "peak_rss_mib": peak_mib, "torch_threads": torch.get_num_threads(),
+              "seconds": time.perf_counter() - started}
     print(f"peak RSS {peak_mib:.0f} MiB, {result['seconds']:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""The RLHF pipeline on the embedded task: a federated reward model, then GRPO against it.
+"""The RLHF pipeline on the embedded task: a federated reward model (its held-out pairwise
+accuracy), then GRPO against it (the exact-match gain it keeps against GRPO on the rule reward).
+
+Goal (issue 11): pairwise accuracy >= 0.9 at epsilon <= 8; the learned-reward arm keeps >= 70% of
+the rule arm's exact-match gain.
+
+    python benchmarks/rlhf_pipeline.py [--rm-rounds 6] [--ppo-rounds 8] [--stage1-only] [--out DIR]
 
 Stage 1 trains a reward model from preference pairs (chosen: the correct sum; rejected: a near
 miss) on ``--clients`` clients under DP at ``--epsilon``; held-out pairwise accuracy is measured
@@ -8,9 +14,6 @@ seeds and epsilon: against the merged learned reward model (``reward_model.enabl
 against the rule reward. The measure that matters is greedy exact match on validation problems
 (the hidden rule); the learned reward of the same greedy answers is reported beside it, so that
 reward hacking (learned reward up while exact match goes down) shows.
-
-Goals (issue 11): pairwise accuracy >= 0.9 at epsilon <= 8; the learned-reward arm keeps >= 70% of
-the rule arm's exact-match gain.
 
 The federation runs in one process through the library's own pieces (``VerlClient``,
 ``FedProxAdapters``, ``inprocess.fit_round(secure=True)``: SecAgg+'s arithmetic without its
@@ -46,26 +49,19 @@ round-to-round noise, so the defaults stay.
 
 Choose settings with ``--eval-split tune`` (the tune split's prompts) and report with the
 default ``--eval-split val``: neither is in any client's training data.
-
-    python benchmarks/rlhf_pipeline.py [--rm-rounds 6] [--ppo-rounds 8] [--stage1-only] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import resource
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+harness.quiet()
 
 
 def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> tuple[list[dict], list[dict]]:
@@ -184,7 +180,7 @@ def stage2(args, reward_model: dict | None, eval_rows: list[dict], scorer) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--epsilon", type=float, default=8.0, help="each stage's; 0: without DP (the ceiling)")
     parser.add_argument("--seed", type=int, default=0)
@@ -206,13 +202,12 @@ def main() -> None:
     parser.add_argument("--ppo-batch-size", type=int, default=32)
     parser.add_argument("--eval-size", type=int, default=120)
     parser.add_argument("--stage1-only", action="store_true", help="the reward model alone (for tuning it)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args()
 
     import random
 
     import torch
-    from dp_utility import validation_problems  # noqa: E402  (benchmarks/ is the script's folder)
 
     from flwr_verl.config import ModelConfig, RewardModelConfig
     from flwr_verl.engine.models import load_tokenizer, resolve_model_path
@@ -232,7 +227,7 @@ def main() -> None:
             tokenizer = load_tokenizer(resolve_model_path(ModelConfig()))  # the policy's
             scorer = LearnedReward(load_reward_model(rm["merged"], torch.device("cpu")), tokenizer,
                                    RewardModelConfig())
-            eval_rows = validation_problems(args.eval_size, args.eval_split)
+            eval_rows = harness.validation_problems(args.eval_size, args.eval_split)
             for name, reward in (("learned_reward", {"reward_model.model.path": rm["merged"]}), ("rule_reward", None)):
                 print(f"stage 2 against the {name.replace('_', ' ')}:", flush=True)
                 arms[name] = stage2(args, reward, eval_rows, scorer)
@@ -250,13 +245,10 @@ def main() -> None:
             "reward_hacking_rounds": [i for i in range(1, len(exact))
                                       if learned[i] > learned[i - 1] and exact[i] < exact[i - 1]],
         })
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "stage1": rm, "stage2": arms, "summary": summary,
-              "seconds": time.perf_counter() - started,
-              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    result = {"args": vars(args), "stage1": rm, "stage2": arms, "summary": summary,
+              "seconds": time.perf_counter() - started, "peak_rss_mib": harness.peak_rss_mib()}
     print(json.dumps(summary, indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rlhf_pipeline.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'rlhf_pipeline.json'}")
+    harness.write_json(args.out / "rlhf_pipeline.json", result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """SecAgg+ precision: how far the aggregate of real Flower SecAgg+ lies from exact FedAvg, and
 what each precision target costs on the wire.
 
+Goal: the error is at most ``secagg.precision``.
+
     python benchmarks/secagg_precision.py [--out benchmarks/results/secagg_precision.json]
     python benchmarks/secagg_precision.py --bits [--out benchmarks/results/secagg_bits.json]
 
@@ -26,26 +28,12 @@ FedAvg of the clients' new weights, for the new global adapter (the strategy's f
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
+import harness
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from secagg_harness import (  # noqa: E402
-    NUM_EXAMPLES,
-    REPO,
-    client_new_weights,
-    client_output,
-    initial_arrays,
-    run_flower,
-    secagg_kwargs,
-    secure_mean_in_process,
-)
-
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "secagg_precision.json"
+from secagg_clients import NUM_EXAMPLES, client_new_weights, client_output, initial_arrays, secagg_kwargs
+from secagg_harness import run_flower, secure_mean_in_process
 
 # A LoRA adapter (rank 8) on every linear layer of a 2-layer Llama of hidden size 96 and MLP 256:
 # per layer q/k/v/o (96 -> 96), gate/up (96 -> 256), down (256 -> 96); A is (r, in), B is (out, r).
@@ -199,7 +187,7 @@ def measure_bits(timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--bits", action="store_true", help="bytes per parameter against secagg.precision")
@@ -215,21 +203,17 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['smallest_modulus_bits_3_clients']:>4d} {real:>9} {row['error_in_process']:9.2e} "
                   f"{row['error_in_process_at_weight_floor']:9.2e} {row['upload_bytes_per_param']:8.3f} "
                   f"{row['packed_bytes_per_param']:10.3f}")
-        out = args.out or DEFAULT_OUT.with_name("secagg_bits.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {out}")
+        print()
+        harness.write_json(args.out or harness.RESULTS / "secagg_bits.json", report)
         return report
-    args.out = args.out or DEFAULT_OUT
     report = measure(args.timeout)
     print("precision: |global - exact FedAvg| after one round (float64 server state), max and rms")
     for name, entry in report["errors"].items():
         extra = f"  (max vs plain {entry['error_vs_plain']:.2e})" if "error_vs_plain" in entry else ""
         print(f"  {name:<24} C={entry['clipping_range']!s:<5} max {entry['error_vs_exact_fedavg']:.2e}  "
               f"rms {entry['rms_error_vs_exact_fedavg']:.2e}{extra}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.out}")
+    print()
+    harness.write_json(args.out or harness.RESULTS / "secagg_precision.json", report)
     return report
 
 

@@ -1,4 +1,11 @@
-"""flwr-verl's local engine against TRL's GRPOTrainer on the standard tiny workload, side by side.
+"""flwr-verl's local engine against TRL's GRPOTrainer on the standard tiny workload, side by
+side: sequences per second, the phase breakdown and peak RSS of each.
+
+Goal: at least 1.0x TRL's seq/s at both sizes, and peak RSS at most TRL's + 10% (the aim: 1.3x).
+
+    python benchmarks/vs_trl.py --trl-python /work/venv-trl/bin/python [--peer ../shared/peer/bench_trl.py]
+                                [--repeats 3] [--warmup 3] [--iterations 20] [--size 512,1024,4] [--clock cpu]
+                                [--out benchmarks/results/vs_trl.json]
 
 The workload is the peer benchmark's (``../shared/peer/bench_trl.py``, its docstring): a
 char-level tokenizer, a random-init Llama (hidden 128, intermediate 256, 2 layers, 4 heads, 2 KV
@@ -18,17 +25,13 @@ while the machine was busier. Both sides use one torch thread.
 ``--size HIDDEN,INTERMEDIATE,LAYERS`` changes only the model size, on both sides (the peer
 script is run unchanged, with ``transformers.LlamaConfig`` given those sizes).
 
-Each repetition runs TRL, then flwr-verl, in fresh processes (interleaved: both see the same
-machine load). Per process: ``--warmup`` iterations, then ``--iterations`` timed ones; an
-iteration is the wall time of one RL iteration (TRL: between ``on_step_end`` callbacks;
-flwr-verl: one ``LocalPPOTrainer.iteration``). Printed and written as JSON: seq/s, the ratio
-flwr-verl / TRL (per repetition, so each ratio compares runs under the same load), the phase
-breakdown and peak RSS (``ru_maxrss`` of the whole process), all medians over repetitions with
-ranges.
-
-    python benchmarks/vs_trl.py --trl-python /work/venv-trl/bin/python [--peer ../shared/peer/bench_trl.py]
-                                [--repeats 3] [--warmup 3] [--iterations 20] [--size 512,1024,4] [--clock cpu]
-                                [--out benchmarks/results/vs_trl.json]
+Each repetition runs TRL and flwr-verl in fresh processes, one after the other, alternating which
+goes first (interleaved: both see the same machine load). Per process: ``--warmup`` iterations,
+then ``--iterations`` timed ones; an iteration is the wall time of one RL iteration (TRL: between
+``on_step_end`` callbacks; flwr-verl: one ``LocalPPOTrainer.iteration``). Printed and written as
+JSON: seq/s, the ratio flwr-verl / TRL (per repetition, so each ratio compares runs under the
+same load), the phase breakdown and peak RSS (``ru_maxrss`` of the whole process), all medians
+over repetitions with ranges.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import json
 import os
 import random
 import re
-import resource
 import statistics
 import string
 import subprocess
@@ -47,9 +49,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-PEER = ROOT.parent / "shared" / "peer" / "bench_trl.py"
+import harness
+
+PEER = harness.REPO.parent / "shared" / "peer" / "bench_trl.py"
 NUM_PROMPTS, NUM_GEN, MAX_NEW = 16, 4, 16
 SEQUENCES = NUM_PROMPTS * NUM_GEN
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -153,7 +155,7 @@ def flwr_verl_child(size: tuple[int, int, int], warmup: int, iterations: int, se
               for phase in ("rollout", "reward", "log_prob", "advantage", "update")}
     phases["other"] = statistics.median(r["iter"] - sum(r[f"time_{p}"] for p in phases) for r in timed)
     return {"median_s": statistics.median(r["iter"] for r in timed), "iters": [r["iter"] for r in timed],
-            "phases": phases, "setup_s": setup_s, "rss_mb_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "phases": phases, "setup_s": setup_s, "rss_mb_peak": harness.peak_rss_mib(),
             "mean_reward_last": statistics.mean(r["reward_mean"] for r in rows[-5:])}
 
 
@@ -176,39 +178,31 @@ def run_trl(python: str, peer: Path, size: str, clock: str, warmup: int, iterati
 
 
 def run_flwr_verl(size: str, clock: str, warmup: int, iterations: int, seed: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", size, "--clock", clock, "--warmup", str(warmup),
-                           "--iterations", str(iterations), "--seed", str(seed)],
-                          env={**os.environ, **ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          check=True, timeout=1800)
-    return json.loads(next(line[6:] for line in proc.stdout.splitlines() if line.startswith("RESULT")))
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return harness.child_result([sys.executable, __file__, "--child", size, "--clock", clock, "--warmup", str(warmup),
+                                 "--iterations", str(iterations), "--seed", str(seed)],
+                                env={**os.environ, **ENV, "PYTHONPATH": str(harness.REPO)}, timeout=1800)
 
 
 def summarize(runs: list[dict]) -> dict:
     return {
-        "seq_per_s": spread([SEQUENCES / r["median_s"] for r in runs]),
-        "iteration_s": spread([r["median_s"] for r in runs]),
-        "phases_s": {phase: spread([r["phases"][phase] for r in runs]) for phase in runs[0]["phases"]},
-        "rss_mb_peak": spread([r["rss_mb_peak"] for r in runs]),
-        "setup_s": spread([r["setup_s"] for r in runs]),
-        "mean_reward_last_5": spread([r["mean_reward_last"] for r in runs]),
+        "seq_per_s": harness.spread([SEQUENCES / r["median_s"] for r in runs]),
+        "iteration_s": harness.spread([r["median_s"] for r in runs]),
+        "phases_s": {phase: harness.spread([r["phases"][phase] for r in runs]) for phase in runs[0]["phases"]},
+        "rss_mb_peak": harness.spread([r["rss_mb_peak"] for r in runs]),
+        "setup_s": harness.spread([r["setup_s"] for r in runs]),
+        "mean_reward_last_5": harness.spread([r["mean_reward_last"] for r in runs]),
     }
 
 
 def show(name: str, summary: dict) -> None:
-    def fmt(s: dict, unit: str = "", digits: int = 1) -> str:
-        return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-    print(f"{name:10s} seq/s {fmt(summary['seq_per_s'])}  iteration {fmt(summary['iteration_s'], ' s', 4)}  "
-          f"peak RSS {fmt(summary['rss_mb_peak'], ' MiB', 0)}")
+    print(f"{name:10s} seq/s {harness.format_spread(summary['seq_per_s'], '.1f')}  "
+          f"iteration {harness.format_spread(summary['iteration_s'], '.4f', ' s')}  "
+          f"peak RSS {harness.format_spread(summary['rss_mb_peak'], '.0f', ' MiB')}")
     print("           phases: " + "  ".join(f"{phase} {s['median']:.4f}" for phase, s in summary["phases_s"].items()))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--trl-python", default="/work/venv-trl/bin/python",
                         help="a Python with trl 1.16 (its own venv: TRL needs a newer transformers than verl)")
     parser.add_argument("--peer", type=Path, default=PEER)
@@ -218,44 +212,48 @@ def main() -> None:
     parser.add_argument("--size", default="128,256,2", help="hidden,intermediate,layers")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "vs_trl.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "vs_trl.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.clock == "cpu":  # before anything reads the clock (the trainer's phase timings too)
             time.perf_counter = time.process_time
         size = tuple(int(v) for v in args.child.split(","))
-        print("RESULT" + json.dumps(flwr_verl_child(size, args.warmup, args.iterations, args.seed)))
+        harness.print_result(flwr_verl_child(size, args.warmup, args.iterations, args.seed))
         return
 
     if not args.peer.is_file():
         parser.error(f"--peer {args.peer}: no such file (the peer script, ../shared/peer/bench_trl.py from the repo)")
     if not Path(args.trl_python).is_file():
         parser.error(f"--trl-python {args.trl_python}: no such file (a venv with trl==1.16.0 torch==2.13.0)")
-    trl_runs, ours = [], []
-    for repeat in range(args.repeats):
-        trl_runs.append(run_trl(args.trl_python, args.peer, args.size, args.clock, args.warmup, args.iterations))
-        ours.append(run_flwr_verl(args.size, args.clock, args.warmup, args.iterations, args.seed))
-        print(f"repeat {repeat + 1}: TRL {SEQUENCES / trl_runs[-1]['median_s']:.0f} seq/s, "
-              f"flwr-verl {SEQUENCES / ours[-1]['median_s']:.0f} seq/s", flush=True)
+    sides = {"TRL": lambda: run_trl(args.trl_python, args.peer, args.size, args.clock, args.warmup, args.iterations),
+             "flwr-verl": lambda: run_flwr_verl(args.size, args.clock, args.warmup, args.iterations, args.seed)}
+
+    def side(name: str):
+        def one_process(repeat: int) -> dict:
+            result = sides[name]()
+            print(f"repeat {repeat + 1}: {name} {SEQUENCES / result['median_s']:.0f} seq/s", flush=True)
+            return result
+
+        return one_process
+
+    runs = harness.interleaved({name: side(name) for name in sides}, args.repeats)
+    trl_runs, ours = runs["TRL"], runs["flwr-verl"]
     ratios = [t["median_s"] / o["median_s"] for t, o in zip(trl_runs, ours)]
     result = {
         "workload": {"size": args.size, "clock": args.clock, "prompts": NUM_PROMPTS, "generations": NUM_GEN, "max_new_tokens": MAX_NEW,
                      "warmup": args.warmup, "iterations": args.iterations, "repeats": args.repeats,
                      "cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "trl": summarize(trl_runs), "flwr_verl": summarize(ours),
-        "ratio_seq_per_s": spread(ratios), "trl_versions": trl_runs[0]["versions"],
+        "ratio_seq_per_s": harness.spread(ratios), "trl_versions": trl_runs[0]["versions"],
         "runs": {"trl": trl_runs, "flwr_verl": ours},
     }
     show("TRL", result["trl"])
     show("flwr-verl", result["flwr_verl"])
-    ratio = result["ratio_seq_per_s"]
-    print(f"flwr-verl seq/s over TRL seq/s: {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}), "
+    print(f"flwr-verl seq/s over TRL seq/s: {harness.format_spread(result['ratio_seq_per_s'], '.2f')}, "
           f"{args.repeats} interleaved pairs, {args.clock} clock; peak RSS ratio "
           f"{result['flwr_verl']['rss_mb_peak']['median'] / result['trl']['rss_mb_peak']['median']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

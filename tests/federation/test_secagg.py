@@ -152,7 +152,7 @@ def test_derived_parameters_meet_the_precision_target_through_flowers_arithmetic
     clients at the smallest weight (one batch, or all of a client's prompts under auto
     max-weight), the third close to it. The measured error is 0.4 to
     0.6 of the target (the bound is worst-case rounding); a quantization range 8x smaller misses it."""
-    harness, _ = _benchmark_modules()
+    harness, _, _ = _benchmark_modules()
     data = DataConfig(train_size=64, train_batch_size=16)
     params = derive_parameters(SecAggConfig(clipping_range=clipping_range, precision=precision,
                                             max_weight=max_weight), data, num_clients=3)
@@ -208,20 +208,22 @@ def test_an_unreachable_precision_fails_when_the_run_config_is_loaded():
 
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
 def _benchmark_modules():
-    """``secagg_harness`` and ``secagg_precision``, imported as the benchmark scripts import them
-    (top-level modules from ``benchmarks/``: Opacus's own ``benchmarks`` package shadows the folder)."""
+    """``secagg_harness``, ``secagg_clients`` and ``secagg_precision``, imported as the benchmark
+    scripts import them (top-level modules from ``benchmarks/``: Opacus's own ``benchmarks``
+    package shadows the folder)."""
     folder = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    import secagg_clients
     import secagg_harness
     import secagg_precision
 
-    return secagg_harness, secagg_precision
+    return secagg_harness, secagg_clients, secagg_precision
 
 
 @pytest.fixture(scope="module")
 def flower(tmp_path_factory):
-    harness, precision = _benchmark_modules()
+    harness, clients, precision = _benchmark_modules()
     spec = precision.precision_spec()
     results = harness.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("secagg"))
     phases = {p["name"]: p for p in results["phases"]}
@@ -232,7 +234,7 @@ def flower(tmp_path_factory):
     for name, entry in report.items():
         print(f"  {name:<24} C={entry['clipping_range']!s:<5} max {entry['error_vs_exact_fedavg']:.3e}  "
               f"rms {entry['rms_error_vs_exact_fedavg']:.3e}")
-    return SimpleNamespace(harness=harness, precision=precision), spec, results, phases, report
+    return SimpleNamespace(harness=harness, clients=clients, precision=precision), spec, results, phases, report
 
 
 def _bound(spec: dict, workflow: dict) -> float:
@@ -260,13 +262,13 @@ def test_secure_aggregate_matches_plain_aggregation(flower):
 @pytest.mark.slow
 def test_plain_and_secure_runs_aggregate_the_same_client_updates(flower):
     bench, spec, _, phases, _ = flower
-    initial = bench.harness.initial_arrays(spec)
+    initial = bench.clients.initial_arrays(spec)
     for dtype, short in (("float32", "f32"), ("float64", "f64")):
         received = phases[f"plain_delta_{short}"]["received"]
         for num_examples, metrics, arrays in received:
             pid = int(metrics["partition_id"])
             assert num_examples == spec["num_examples"][pid]
-            expected = bench.harness.client_output(spec, pid, initial, "delta", dtype)
+            expected = bench.clients.client_output(spec, pid, initial, "delta", dtype)
             assert all(a.dtype == np.dtype(dtype) and np.array_equal(a, e) for a, e in zip(arrays, expected))
 
 
@@ -293,9 +295,9 @@ def test_server_only_sees_the_aggregate(flower, name):
     assert seen == {pid: (n, 1000 + pid) for pid, n in enumerate(spec["num_examples"])}
     # no FitRes equals any single client's update: it differs by far more than quantization error
     phase = next(p for p in spec["phases"] if p["name"] == name)
-    initial = bench.harness.initial_arrays(spec)
+    initial = bench.clients.initial_arrays(spec)
     for pid in range(3):
-        own = bench.harness.client_output(spec, pid, initial, phase["format"], phase["dtype"])
+        own = bench.clients.client_output(spec, pid, initial, phase["format"], phase["dtype"])
         assert bench.precision.max_abs_diff(aggregate, own) > 0.1
         mean_gap = np.mean(np.concatenate([np.abs(a - b).ravel() for a, b in zip(aggregate, own)]))
         assert mean_gap > 1e6 * _bound(spec, phase["secagg"])

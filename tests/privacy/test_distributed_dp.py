@@ -259,25 +259,26 @@ def secure_round(tmp_path_factory):
     folder = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    import secagg_harness as harness
+    import secagg_clients
+    import secagg_harness
 
     workflow = integer_secagg_parameters(_secagg_parameters(), PHASE_CONFIG["bits"]).workflow_kwargs()
     spec = {"num_supernodes": CLIENTS, "num_examples": [64] * CLIENTS, "shapes": [[16, 64], [64, 16], [300]],
             "seed": 11, "delta_scale": 0.05, "weight_scale": 0.0, "client_cpus": 1,
             "phases": [{"name": "client_level", "secagg": workflow, "format": "client_level", "dtype": "float64",
                         "client_level": PHASE_CONFIG, "rounds": 1, "capture": True}]}
-    results = harness.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("ddp"))
+    results = secagg_harness.run_flower(spec, timeout=300, workdir=tmp_path_factory.mktemp("ddp"))
     (phase,) = results["phases"]
     assert phase["aggregated_rounds"] == 1, f"{phase['failures']}\n{results['log'][-4000:]}"
-    return harness, spec, phase
+    return secagg_clients, spec, phase
 
 
 @pytest.mark.slow
 def test_the_secure_sum_is_the_sum_of_the_clients_noisy_integers_exactly(secure_round):
-    harness, spec, phase = secure_round
+    clients, spec, phase = secure_round
     dim = sum(math.prod(s) for s in spec["shapes"])
     plan = ddp.plan_round(ClientLevelConfig(**PHASE_CONFIG), dim, CLIENTS, threshold=2)
-    sent = [harness.client_level_output(spec, PHASE_CONFIG, pid, 1, CLIENTS, 2)[0] for pid in range(CLIENTS)]
+    sent = [clients.client_level_output(spec, PHASE_CONFIG, pid, 1, CLIENTS, 2)[0] for pid in range(CLIENTS)]
     expected = np.mod(sum((s + plan.modulus // 2).astype(np.int64) for s in sent), plan.modulus)
     expected = np.where(expected >= plan.modulus // 2, expected - plan.modulus, expected)
     received = [arrays for _, _, arrays in phase["received"]]
@@ -288,8 +289,8 @@ def test_the_secure_sum_is_the_sum_of_the_clients_noisy_integers_exactly(secure_
 
 @pytest.mark.slow
 def test_the_server_applies_the_noisy_mean_and_accounts_it(secure_round):
-    harness, spec, phase = secure_round
-    clean = np.mean([ddp.clip_l2(np.concatenate([a.astype(np.float64).ravel() for a in harness.fixed_update(spec, p)]),
+    clients, spec, phase = secure_round
+    clean = np.mean([ddp.clip_l2(np.concatenate([a.astype(np.float64).ravel() for a in clients.fixed_update(spec, p)]),
                                  PHASE_CONFIG["clip_norm"]) for p in range(CLIENTS)], axis=0)
     applied = np.concatenate([w.ravel() for w in phase["weights"]])  # from zeros: the applied mean update
     error = applied - clean
