@@ -76,6 +76,7 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
     from flwr_verl.federation.protocol import FitReport, SecAggBounds
     from flwr_verl.federation.secagg import derive_parameters
     from flwr_verl.federation.strategy import FedProxAdapters
+    from flwr_verl.privacy.dpsgd import noise_for_target_epsilon, sample_rate
     from flwr_verl.stages import load_stage_rows
 
     privacy_config = ({"privacy.deterministic": True, "privacy.target_epsilon": args.epsilon} if args.epsilon
@@ -95,13 +96,18 @@ def federate(args, run_config: dict, models, evaluate, *, reward_model=None) -> 
                                mask_seed=args.seed)
     print(f"    {sum(len(c.train_rows) for c in clients.values())} training units in {args.clients} clients",
           flush=True)
+    # What each client plans for itself (the server is not told): sigma for target_epsilon over the stage.
+    units = min(len(c.train_rows) for c in clients.values())
+    sigma = (noise_for_target_epsilon(config.privacy, sample_rate(config.data.train_batch_size, units),
+                                      federation.num_server_rounds * args.local_iterations, config.actor.ppo_epochs)
+             if args.epsilon else 0.0)
     curve, privacy = [evaluate()], []
     for server_round in range(1, federation.num_server_rounds + 1):
         results, _ = fit_round(strategy, InProcessClients(clients), server_round, secure=True)
         models.adapters.set_arrays(strategy.global_arrays)
         reports = [FitReport.from_metrics(res.metrics).privacy for _, res in results]
         privacy.append({"epsilon": max(r.epsilon_run for r in reports) if args.epsilon else math.inf,
-                        "noise_multiplier": reports[0].noise_multiplier if args.epsilon else 0.0})
+                        "noise_multiplier": sigma})
         curve.append(evaluate())
         print(f"    round {server_round}: {curve[-1]}, epsilon {privacy[-1]['epsilon']:.2f}", flush=True)
     return curve, privacy

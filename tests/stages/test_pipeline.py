@@ -1,7 +1,9 @@
 """The RLHF pipeline end to end on a real local deployment (a SuperLink and three SuperNodes):
 stage 1 (``stage=reward_model``) trains a reward model under DP and SecAgg+; stage 2 runs GRPO
 under DP and SecAgg+ with ``reward_model.enable``, each organisation scoring with the model its
-own node config names (``reward-model-path``)."""
+own node config names (``reward-model-path``). Then the other way to preferences: stage ``dpo``
+under DP and SecAgg+, and GRPO against its policy as the verifier (``reward_model.kind =
+"implicit"``), again from each node's own path."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def _run(deployment, out, run_config):
     return runs[-1]
 
 
-def test_stage_1_then_stage_2_against_each_nodes_reward_model_under_dp_and_secagg(tmp_path):
+def test_preferences_then_grpo_against_each_nodes_reward_model_or_dpo_verifier_under_dp_and_secagg(tmp_path):
     reward_model = tmp_path / "org_reward_model"  # every node's reward-model-path; written by stage 1
     node_config = {i: {"partition-id": i, "num-partitions": 3, "reward-model-path": str(reward_model)}
                    for i in range(3)}
@@ -41,5 +43,17 @@ def test_stage_1_then_stage_2_against_each_nodes_reward_model_under_dp_and_secag
         # Stage 2 trains only: its fit is where each node scores with its own reward model, and
         # every evaluation would cost one more ClientApp process per node.
         stage2 = _run(deployment, tmp_path / "out2", {**ONE_ROUND, "reward_model.enable": True, "evaluate-every": 0})
+        (record,) = records(stage2)
+        assert record["round"] == 1 and record["fit"]["epsilon_run"] > 0 and record["fit"]["num_clients"] == 3
+
+        # DPO on the same deployment: its final policy adapter becomes every node's verifier.
+        dpo = _run(deployment, tmp_path / "out3", {**ONE_ROUND, "stage": "dpo", "actor.ppo_mini_batch_size": 8})
+        rounds = records(dpo)
+        assert [r["round"] for r in rounds] == [0, 1] and rounds[0]["evaluate"]["accuracy"] == 0.5  # ties: half
+        assert rounds[1]["fit"]["epsilon_run"] > 0
+        shutil.rmtree(reward_model)
+        shutil.copytree(dpo / "adapters" / "final" / "policy", reward_model)
+        stage2 = _run(deployment, tmp_path / "out4", {**ONE_ROUND, "reward_model.enable": True,
+                                                      "reward_model.kind": "implicit", "evaluate-every": 0})
         (record,) = records(stage2)
         assert record["round"] == 1 and record["fit"]["epsilon_run"] > 0 and record["fit"]["num_clients"] == 3
