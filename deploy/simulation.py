@@ -124,13 +124,14 @@ def local_superlink(env: dict[str, str], workdir: Path, timeout: float = SUPERLI
 
 
 def flwr_run_simulation(env: dict[str, str], workdir: Path, run_config: dict, num_supernodes: int,
-                        timeout: float, app: Path = APP) -> subprocess.CompletedProcess:
+                        timeout: float, app: Path = APP, capture: bool = True) -> subprocess.CompletedProcess:
     """``flwr run <app> --stream`` on a local simulated federation, on a SuperLink started (and
-    stopped) here; returns the finished process."""
+    stopped) here; returns the finished process (its output captured, or with ``capture=False``
+    on this process's terminal)."""
     config_file = write_run_config(Path(workdir) / "run_config.toml", run_config)
     with local_superlink(env, workdir):
         return subprocess.run(
             [flower_executable("flwr"), "run", str(app), "--stream",
              "--federation-config", f"num-supernodes={num_supernodes}", "--run-config", str(config_file)],
-            cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
+            cwd=workdir, env=env, capture_output=capture, text=True, timeout=timeout,
         )
