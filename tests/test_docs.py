@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import re
 import subprocess
 import warnings
@@ -111,14 +112,16 @@ TESTED = re.compile(r"<!-- tested -->\n```bash\n(.*?)```", re.S)
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_the_shell_blocks_marked_tested_run_and_print_what_they_show(page):
-    """A fenced bash block right after ``<!-- tested -->`` runs from the repository root, command
-    by command: each exits 0, and a ``# ok: ...`` comment below a command is what it prints."""
+    """A fenced bash block right after ``<!-- tested -->`` runs from the repository root, with this
+    checkout's flwr_verl first on the path, command by command: each exits 0, and a ``# ok: ...``
+    comment below a command is what it prints."""
     for block in TESTED.findall(page.read_text()):
         command = None
         for line in block.splitlines():
             if not line.startswith("#"):
                 command = line
-                done = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+                done = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300,
+                                      env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's flwr_verl
                 assert done.returncode == 0, f"{page.name}: {command}: {done.stdout}{done.stderr}"
             elif line.startswith("# ok: ") and command:
                 shown = line.removeprefix("# ").split("  ")[0].strip()
