@@ -195,7 +195,7 @@ class RewardModelConfig:
     combine: str = "replace"
     rule_weight: float = 1.0
     kind: str = "classifier"
-    score: str = "implicit"
+    score: str = "likelihood"  # chosen on the tune split (benchmarks/dpo.py; docs/rlhf.md says why)
     beta: float = 0.1
     length_normalize: bool = False
 
