@@ -75,7 +75,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "LocalFit": "trainer",
     "LocalPPOTrainer": "trainer",
     "LogProbPasses": "trainer",
-    "PlainUpdate": "trainer",
+    "PlainUpdate": "update",
     "run_iterations": "trainer",
-    "start_update": "trainer",
+    "start_update": "update",
 })

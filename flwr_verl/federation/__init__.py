@@ -25,7 +25,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "describe_source": "client",
     "preflight_reward": "client",
     "reported_num_examples": "client",
-    "summarize_training": "client",
     "ErrorFeedback": "compression",
     "StateErrorFeedback": "compression",
     "coordinate_mask": "compression",

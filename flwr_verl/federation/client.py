@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from logging import INFO
 from typing import Any
@@ -151,23 +150,6 @@ def preflight_reward(compute_score, rows: list[Row]) -> None:
     row = rows[0]
     checked(compute_score)(row["data_source"], "", row["reward_model"]["ground_truth"],
                            {**row.get("extra_info", {}), PROMPT_KEY: row["prompt"][-1]["content"]})
-
-
-def summarize_training(iterations: list[dict[str, float]], seconds: float) -> TrainingSummary:
-    """One fit's iteration metrics as the report's summary (iterations without prompts, empty
-    Poisson draws, carry no training metrics)."""
-    trained = [m for m in iterations if m.get("prompts", 0) > 0] or [{}]
-
-    def mean(key: str) -> float:
-        return float(np.mean([m.get(key, math.nan) for m in trained]))
-
-    return TrainingSummary(
-        reward_before=trained[0].get("reward_mean", math.nan), reward_after=trained[-1].get("reward_mean", math.nan),
-        reward_mean=mean("reward_mean"), kl=mean("kl"), response_length=mean("response_length"),
-        pg_loss=mean("pg_loss"), time_fit=seconds,
-        **{f"time_{phase}": float(sum(m.get(f"time_{phase}", 0.0) for m in iterations))
-           for phase in ("rollout", "reward", "log_prob", "advantage", "update")},
-    )
 
 
 def reported_num_examples(mode: str, num_prompts: int) -> int:
@@ -331,7 +313,7 @@ class VerlClient(NumPyClient):
         report = dataclasses.replace(
             report, bytes_sent=_nbytes(update), iterations=result.iterations,
             privacy=self._privacy_report(spend.after, mechanism, iterations) if spend else None,
-            training=(summarize_training(result.metrics, time.perf_counter() - start)
+            training=(TrainingSummary.of_fit(result.metrics, time.perf_counter() - start)
                       if self.config.privacy.sent_metrics == "clear" else None),
             training_dp=(self._noised_metrics(result.metrics, instructions)
                          if self.config.privacy.sent_metrics == "dp" and result.iterations else None),

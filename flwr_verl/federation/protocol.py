@@ -14,6 +14,8 @@ What travels in the clear beside the (securely aggregated) update: everything in
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -199,6 +201,23 @@ class TrainingSummary:
     time_log_prob: float
     time_advantage: float
     time_update: float
+
+    @classmethod
+    def of_fit(cls, iterations: list[dict[str, float]], seconds: float) -> TrainingSummary:
+        """One fit's iteration metrics summarised (iterations without prompts, empty Poisson
+        draws, carry no training metrics)."""
+        trained = [m for m in iterations if m.get("prompts", 0) > 0] or [{}]
+
+        def mean(key: str) -> float:
+            return statistics.fmean([m.get(key, math.nan) for m in trained])
+
+        return cls(
+            reward_before=trained[0].get("reward_mean", math.nan), reward_after=trained[-1].get("reward_mean", math.nan),
+            reward_mean=mean("reward_mean"), kl=mean("kl"), response_length=mean("response_length"),
+            pg_loss=mean("pg_loss"), time_fit=seconds,
+            **{f"time_{phase}": float(sum(m.get(f"time_{phase}", 0.0) for m in iterations))
+               for phase in ("rollout", "reward", "log_prob", "advantage", "update")},
+        )
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Error
 from flwr.common import FitRes, NDArrays, log
+from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
+from flwr.server.criterion import Criterion
 from flwr.server.strategy.aggregate import aggregate, aggregate_median, aggregate_trimmed_avg
 
-from flwr_verl.config import FlwrVerlError
+from flwr_verl.config import FederationConfig, FlwrVerlError
 from flwr_verl.federation.protocol import FitReport, PreflightReport, PrivacyReport, ProtocolError, TrainingSummary
-from flwr_verl.federation.secagg import infeasible_coordinates
+from flwr_verl.federation.secagg import MIN_CLIENTS, infeasible_coordinates
 from flwr_verl.privacy.distributed_dp import SkellamPlan, feasible_mean_norm
 from flwr_verl.privacy.dpsgd import DP_METRICS
 
@@ -233,3 +236,50 @@ def check_preflight(round_number: int, results: list, failures: list) -> dict[st
     raise PreflightFailed(f"round {round_number}: preflight: {unfit} of "
                           f"{len(results) + len(failures)} clients cannot train; nothing was trained:\n  "
                           + "\n  ".join(lines))
+
+
+class NotIn(Criterion):
+    """Flower's sampling criterion for every client but the ``excluded`` node ids."""
+
+    def __init__(self, excluded: set[str]) -> None:
+        self.excluded = excluded
+
+    def select(self, client: ClientProxy) -> bool:
+        return client.cid not in self.excluded
+
+
+def describe_fit(metrics: dict[str, float]) -> str:
+    """A round's training metrics and epsilon, as its log line says them."""
+    epsilon = metrics.get("epsilon_run")
+    kl = metrics.get("kl", math.nan)  # nan when no KL term ran the reference pass
+    training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
+                + ("" if math.isnan(kl) else f", kl {kl:.4f}")
+                if "reward_before" in metrics else
+                f"noised reward {metrics['dp_reward_mean']:.3f}, response length {metrics['dp_response_length']:.1f}"
+                if "dp_reward_mean" in metrics else "training metrics not sent")
+    return f"{training}, epsilon {'not sent' if epsilon is None else f'{epsilon:.2f} in this run'}"
+
+
+def wait_for_clients(client_manager: ClientManager, config: FederationConfig, round_number: int, completed_round: int,
+                     *, secure: bool) -> None:
+    """Wait up to ``connect-timeout`` for ``min-available-clients`` connected clients, then fail
+    with what to change (Flower's own ``sample`` would wait 24 hours without a word)."""
+    count = config.min_available_clients
+    deadline = time.monotonic() + config.connect_timeout
+    # On a Grid, num_available() refreshes the node list; wait_for alone sees it every 5 s.
+    while (connected := client_manager.num_available()) < count and time.monotonic() < deadline:
+        client_manager.wait_for(count, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+    if connected >= count:
+        return
+    if secure and connected < MIN_CLIENTS:
+        # Lowering min-*-clients cannot help here, and a resumed run keeps secagg.enabled.
+        more = ("bring SuperNodes back and run again with resume=true to continue after round "
+                f"{completed_round}" if completed_round else "start more SuperNodes")
+        fix = (f"SecAgg+ cannot run with {connected} clients (Flower's SecAgg+ needs at least {MIN_CLIENTS}): "
+               f"{more}, or start a new run with secagg.enabled=false")
+    else:
+        fix = "start more SuperNodes, or lower min-available-clients and min-fit-clients"
+    raise RoundFailed(
+        f"round {round_number}: only {connected} of "
+        f"min-available-clients={count} SuperNodes connected after connect-timeout={config.connect_timeout:g} "
+        f"s; {fix}.")

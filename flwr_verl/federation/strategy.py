@@ -58,7 +58,6 @@ checkpoints (``checkpoint.py``) after every aggregated round.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from logging import INFO, WARNING
 from typing import Any
@@ -80,7 +79,6 @@ from flwr.common import (
 )
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
-from flwr.server.criterion import Criterion
 from flwr.server.strategy import Strategy
 
 from flwr_verl.config import ClientLevelConfig, ConfigError, FederationConfig
@@ -100,6 +98,7 @@ from flwr_verl.federation.protocol import (
 )
 from flwr_verl.federation.rounds import (
     Failures,
+    NotIn,
     RoundFailed,
     StopFederation,
     aggregate_in_the_clear,
@@ -108,21 +107,15 @@ from flwr_verl.federation.rounds import (
     check_preflight,
     describe_failure,
     describe_failures,
+    describe_fit,
     fednova_rescale,
     refused_nodes,
     summarize_fit,
+    wait_for_clients,
     weighted_mean,
 )
-from flwr_verl.federation.secagg import MAX_CLIENTS, MIN_CLIENTS
+from flwr_verl.federation.secagg import MAX_CLIENTS
 from flwr_verl.privacy.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
-
-
-class _Not(Criterion):
-    def __init__(self, excluded: set[str]) -> None:
-        self.excluded = excluded
-
-    def select(self, client: ClientProxy) -> bool:
-        return client.cid not in self.excluded
 
 
 class FedProxAdapters(Strategy):
@@ -232,7 +225,7 @@ class FedProxAdapters(Strategy):
                 f"{self.completed_round}. Exhausted: {sorted(self.exhausted.values())}")
         sample_size = max(int(eligible * self.config.fraction_fit), self.config.min_fit_clients)  # <= eligible
         clients = client_manager.sample(num_clients=sample_size, min_num_clients=self.config.min_available_clients,
-                                        criterion=_Not(excluded) if excluded else None)
+                                        criterion=NotIn(excluded) if excluded else None)
         if self.secure_aggregation and len(clients) > MAX_CLIENTS:
             raise ConfigError(f"fraction-fit={self.config.fraction_fit} samples {len(clients)} clients; SecAgg+'s "
                               f"modulus holds the sum of at most {MAX_CLIENTS} without wrapping around")
@@ -244,27 +237,8 @@ class FedProxAdapters(Strategy):
                 for client in clients]
 
     def wait_for_clients(self, server_round: int, client_manager: ClientManager) -> None:
-        """Wait up to ``connect-timeout`` for ``min-available-clients`` connected clients, then fail
-        with what to change (Flower's own ``sample`` would wait 24 hours without a word)."""
-        count = self.config.min_available_clients
-        deadline = time.monotonic() + self.config.connect_timeout
-        # On a Grid, num_available() refreshes the node list; wait_for alone sees it every 5 s.
-        while (connected := client_manager.num_available()) < count and time.monotonic() < deadline:
-            client_manager.wait_for(count, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-        if connected >= count:
-            return
-        if self.secure_aggregation and connected < MIN_CLIENTS:
-            # Lowering min-*-clients cannot help here, and a resumed run keeps secagg.enabled.
-            more = ("bring SuperNodes back and run again with resume=true to continue after round "
-                    f"{self.completed_round}" if self.completed_round else "start more SuperNodes")
-            fix = (f"SecAgg+ cannot run with {connected} clients (Flower's SecAgg+ needs at least {MIN_CLIENTS}): "
-                   f"{more}, or start a new run with secagg.enabled=false")
-        else:
-            fix = "start more SuperNodes, or lower min-available-clients and min-fit-clients"
-        raise RoundFailed(
-            f"round {self.round_number(server_round)}: only {connected} of "
-            f"min-available-clients={count} SuperNodes connected after connect-timeout={self.config.connect_timeout:g} "
-            f"s; {fix}.")
+        wait_for_clients(client_manager, self.config, self.round_number(server_round), self.completed_round,
+                         secure=self.secure_aggregation is not None)
 
     def _fit_config(self, server_round: int, client: ClientProxy) -> FitConfig:
         return FitConfig(
@@ -357,16 +331,8 @@ class FedProxAdapters(Strategy):
                            "iterations": {p.cid: r.iterations for p, _, r in contributing},  # by node id
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
                            "seconds": time.perf_counter() - self._round_start}
-        epsilon = metrics.get("epsilon_run")
-        kl = metrics.get("kl", math.nan)  # nan when no KL term ran the reference pass
-        training = (f"reward {metrics['reward_before']:.3f} -> {metrics['reward_after']:.3f}"
-                    + ("" if math.isnan(kl) else f", kl {kl:.4f}")
-                    if "reward_before" in metrics else
-                    f"noised reward {metrics['dp_reward_mean']:.3f}, response length {metrics['dp_response_length']:.1f}"
-                    if "dp_reward_mean" in metrics else "training metrics not sent")
-        log(INFO, "round %s: %s, epsilon %s, %s clients, %s failed, %s refused", round_number, training,
-            "not sent" if epsilon is None else f"{epsilon:.2f} in this run", len(contributing), len(messages),
-            len(refused))
+        log(INFO, "round %s: %s, %s clients, %s failed, %s refused", round_number, describe_fit(metrics),
+            len(contributing), len(messages), len(refused))
         log(INFO, "round %s: local iterations per client: %s", round_number,
             ", ".join(f"{self.label(p)} {r.iterations}" for p, _, r in contributing))
         return ndarrays_to_parameters(self.global_arrays), metrics

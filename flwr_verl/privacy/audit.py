@@ -259,7 +259,7 @@ def flat_weights(params: list[torch.nn.Parameter]) -> np.ndarray:
 
 
 class WithGradientCanaries:
-    """One fit's update (``trainer.PlainUpdate`` or ``privacy.PrivateUpdate``) with the member
+    """One fit's update (``engine.update.PlainUpdate`` or ``privacy.dpsgd.PrivateUpdate``) with the member
     gradient canaries as extra privacy units, sampled as a prompt is: in each local iteration
     with the update's sample rate q, then, in each of the ``ppo_epochs`` passes, into one of the
     mini-batches uniformly. Under DP a sampled canary enters the real mechanism as a prompt of

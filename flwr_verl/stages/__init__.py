@@ -11,7 +11,7 @@ reads and its local trainer. The client and the server ask here; nothing else br
 - ``policy``: verl's PPO family (``engine.trainer.LocalPPOTrainer``) on prompts, against the rule
   reward or a learned reward model (``reward_model.*``; ``stages.policy``).
 
-Every stage trains LoRA adapters through ``engine.trainer.start_update`` (the same DP-SGD,
+Every stage trains LoRA adapters through ``engine.update.start_update`` (the same DP-SGD,
 FedProx and accounting), so the federation (strategy, SecAgg+, run directory, resume) is the same
 for all. ``sft``, ``reward_model`` and ``dpo`` learn from fixed data, in the loop of
 ``stages.supervised.UnitTrainer``.

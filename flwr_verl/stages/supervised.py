@@ -8,7 +8,7 @@ rollout:
 2. ``actor.ppo_epochs`` passes; each splits the sampled units into
    ``train_batch_size / ppo_mini_batch_size`` mini-batches (``update.split``);
 3. per mini-batch: the stage's loss (``unit_loss``: a mean over units of each unit's own loss),
-   backward, one step of the update (``trainer.start_update``: DP-SGD with per-unit clipping,
+   backward, one step of the update (``engine.update.start_update``: DP-SGD with per-unit clipping,
    FedProx's term, AdamW), or a noise-only step for an empty mini-batch.
 
 So a stage only writes its loss; the accounting (``privacy.IterationMechanism``), FedProx,
@@ -86,7 +86,7 @@ class UnitTrainer(abc.ABC):
     @contextmanager
     def start_fit(self, *, anchor=None, proximal_mu: float = 0.0, noise_multiplier: float | None = None,
                   seed: int = 0) -> Iterator[UnitFit]:
-        from flwr_verl.engine.trainer import start_update
+        from flwr_verl.engine.update import start_update
 
         update, batches = start_update(self.model, self.policy_params, len(self.train_units), self.config,
                                        rows_per_unit=1, anchor=anchor, proximal_mu=proximal_mu,

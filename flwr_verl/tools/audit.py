@@ -149,11 +149,11 @@ def broken_mechanism(flaw: str = "unclipped_noiseless"):
     ``unpooled``: no per-prompt pooling: Opacus clips each response's gradient on its own, so a
     prompt with n responses weighs up to n times ``max_grad_norm`` against noise calibrated for 1.
     """
-    from flwr_verl.engine import trainer
+    from flwr_verl.engine import update as update_module
 
     if flaw not in FLAWS:
         raise ValueError(f"flaw={flaw!r}: expected one of {', '.join(FLAWS)}")
-    real_make_private = trainer.make_private
+    real_make_private = update_module.make_private
 
     def broken(*args, **kwargs):
         if flaw == "unpooled":  # per-response gradient samples: each response is clipped as a unit
@@ -163,11 +163,11 @@ def broken_mechanism(flaw: str = "unclipped_noiseless"):
         update.optimizer.noise_multiplier = 0.0
         return update
 
-    trainer.make_private = broken
+    update_module.make_private = broken
     try:
         yield
     finally:
-        trainer.make_private = real_make_private
+        update_module.make_private = real_make_private
 
 
 # ----------------------------------------------------------------------------- the command

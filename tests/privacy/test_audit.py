@@ -168,7 +168,7 @@ def test_a_sampled_gradient_canary_is_one_more_unit_of_the_plain_mean():
     import torch
 
     from flwr_verl.engine.proximal import Proximal
-    from flwr_verl.engine.trainer import PlainUpdate
+    from flwr_verl.engine.update import PlainUpdate
 
     weights = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     plain = PlainUpdate(torch.optim.SGD(weights, lr=1.0), weights, Proximal.none(), grad_clip=1e9,
