@@ -10,6 +10,7 @@ direction (``down``: server to client, ``up``: the reply) and stage (``get_prope
 ``evaluate``, or the SecAgg+ stage: ``secagg_setup``, ``secagg_share_keys``,
 ``secagg_collect_masked_vectors``, ``secagg_unmask``). ``WireMeter.take`` summarises and resets
 it; ``workflow.RoundLoop`` writes that summary into each round's ``metrics.jsonl`` record.
+Both wrappers are ``grid.PollingGrid``s: they change only how messages are pushed and pulled.
 
 ``NodeNamedErrors`` wraps it too and puts the node id of the addressee in front of every error
 reply: "node <id>: <reason>". Flower's SecAgg+ workflow keeps a failed client's error without its
@@ -28,9 +29,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from flwr.app import Error, Message, RecordDict
+from flwr.app import Error, Message
 from flwr.server import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from flwr_verl.federation.grid import PollingGrid
 
 SECAGG_RECORD = "secaggplus_configs"  # flwr.common.secure_aggregation's RECORD_KEY_CONFIGS
 
@@ -68,29 +71,16 @@ class WireMeter:
         return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"]}
 
 
-class MeteredGrid(Grid):
+class MeteredGrid(PollingGrid):
     """A ``Grid`` that passes everything to ``grid`` and counts each message on ``meter``.
 
     A reply is charged to the stage of the message it answers (an error reply carries no
     SecAgg+ stage of its own)."""
 
     def __init__(self, grid: Grid, meter: WireMeter) -> None:
-        self.grid, self.meter = grid, meter
+        super().__init__(grid)
+        self.meter = meter
         self._stages: dict[str, str] = {}  # message id -> its stage, until the reply is pulled
-
-    def set_run(self, run_id: int) -> None:
-        self.grid.set_run(run_id)
-
-    @property
-    def run(self):
-        return self.grid.run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
@@ -107,40 +97,14 @@ class MeteredGrid(Grid):
             self.meter.count(reply, "up", reply.metadata.src_node_id, stage)
         return replies
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)
-        stages = {id(m): stage_of(m) for m in messages}
-        for message in messages:
-            self.meter.count(message, "down", message.metadata.dst_node_id, stages[id(message)])
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        by_node = {m.metadata.dst_node_id: stages[id(m)] for m in messages}
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            self.meter.count(reply, "up", node, by_node.get(node) or stage_of(reply))
-        return replies
 
-
-class NodeNamedErrors(Grid):
+class NodeNamedErrors(PollingGrid):
     """A ``Grid`` that passes everything to ``grid`` and names, in every error reply, the node that
     the answered message was sent to (the SuperLink's errors about a dead node included)."""
 
     def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+        super().__init__(grid)
         self._addressee: dict[str, int] = {}  # message id -> its destination node, until answered
-
-    def set_run(self, run_id: int) -> None:
-        self.grid.set_run(run_id)
-
-    @property
-    def run(self):
-        return self.grid.run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
@@ -153,12 +117,11 @@ class NodeNamedErrors(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        self._addressee.update((m.metadata.message_id, m.metadata.dst_node_id) for m in messages)  # ids set on push
-        named = [self._named(reply) for reply in replies]
-        for message in messages:  # unanswered ones too: nothing outlives the call
-            self._addressee.pop(message.metadata.message_id, None)
-        return named
+        try:
+            return super().send_and_receive(messages, timeout=timeout)
+        finally:  # unanswered ones too: nothing outlives the call
+            for message in messages:
+                self._addressee.pop(message.metadata.message_id, None)
 
     def _named(self, reply: Message) -> Message:
         node = self._addressee.pop(reply.metadata.reply_to_message_id, None)

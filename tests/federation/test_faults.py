@@ -390,21 +390,26 @@ def test_exchange_matches_replies_to_messages_and_names_the_nodes_that_did_not_a
         monkeypatch.setattr(TaskIdentity, identity, 1)
 
     class Grid:
-        def send_and_receive(self, messages, timeout):
+        def push_messages(self, messages):
             for message in messages:  # as Flower's grids do when they push a message
                 message.metadata.__dict__["_message_id"] = message.object_id
             alive, dead, _ = messages
             ready = compat.getpropertiesres_to_recorddict(GetPropertiesRes(Status(Code.OK, ""), {}))
-            return [create_message_error_unavailable_res_message(dead.metadata, "node_unavail"),
-                    Message(ready, reply_to=alive)]
+            self.replies = [create_message_error_unavailable_res_message(dead.metadata, "node_unavail"),
+                            Message(ready, reply_to=alive)]
+            return [message.metadata.message_id for message in messages]
+
+        def pull_messages(self, message_ids):
+            replies, self.replies = self.replies, []
+            return replies
 
     proxies = [GridClientProxy(node_id=node, grid=None, run_id=1) for node in (11, 22, 33)]
     results, failures = exchange(NodeNamedErrors(Grid()), [(proxy, GetPropertiesIns({})) for proxy in proxies],
-                                 MessageTypeLegacy.GET_PROPERTIES, 1, timeout=5)
+                                 MessageTypeLegacy.GET_PROPERTIES, 1, timeout=1)
     assert [proxy.node_id for proxy, _ in results] == [11]
     unavailable, silent = describe_failures(failures)
     assert unavailable.startswith("node 22: Error: Node Unavailable") and unavailable.endswith("(Flower error code 5)")
-    assert silent == "NoReply: node 33 sent no get_properties reply within 5 s"
+    assert silent == "NoReply: node 33 sent no get_properties reply within 1 s"
 
 
 # ============================================================================ real processes

@@ -1,0 +1,82 @@
+"""How the server waits for replies: a ``Grid`` that polls for them promptly.
+
+Flower 1.42's grids wait for replies in fixed sleeps between pulls: 3 s in a deployment's
+``HttpGrid.send_and_receive``, 0.1 s in the simulation's ``InMemoryGrid``. Every message stage of
+a round waits for its slowest reply plus up to that sleep, and a SecAgg+ round has five stages
+(setup, key sharing, masked fit, unmasking, then evaluation), so a deployment round idled for up
+to 15 s around fits of a few seconds. Neither sleep has a setting.
+
+``PollingGrid`` forwards everything to the grid it wraps and implements ``send_and_receive`` with
+the grid's public ``push_messages`` and ``pull_messages``: it pulls at once, then after
+``FIRST_POLL_S``, growing by ``POLL_GROWTH`` up to ``MAX_POLL_S``, so a reply that arrives within
+a second is seen within a few tens of milliseconds, and a long fit costs at most a few pulls a
+second (one small request to the SuperLink each). The server's other wrappers
+(``wire.MeteredGrid``, ``wire.NodeNamedErrors``) subclass it and override only what they change.
+
+What the server cannot shorten: a SuperNode with nothing to do asks the SuperLink for a message
+every 3 s (``flwr.supernode.start_client_internal``, no setting), so each stage may still wait up
+to 3 s before a node sees its message. ``docs/deployment.md`` gives the measured cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from flwr.app import Message, RecordDict
+from flwr.server import Grid
+
+FIRST_POLL_S = 0.005
+POLL_GROWTH = 1.5
+MAX_POLL_S = 0.25  # a long fit costs 4 pulls a second; a reply waits at most this long to be seen
+
+
+class PollingGrid(Grid):
+    """A ``Grid`` that passes everything to ``grid`` and waits for replies by polling it promptly.
+
+    Args:
+        grid: the grid to wrap (Flower's, or another ``PollingGrid``).
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run_id: int) -> None:
+        self.grid.set_run(run_id)
+
+    @property
+    def run(self):
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Push ``messages`` and return their replies once all have arrived, or whichever arrived
+        within ``timeout`` seconds (None: no deadline), as Flower's grids do."""
+        pending = set(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        interval = FIRST_POLL_S
+        while True:
+            arrived = list(self.pull_messages(pending))
+            replies += arrived
+            pending -= {reply.metadata.reply_to_message_id for reply in arrived}
+            if not pending:
+                return replies
+            remaining = float("inf") if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return replies
+            time.sleep(min(interval, remaining))
+            interval = min(interval * POLL_GROWTH, MAX_POLL_S)
+

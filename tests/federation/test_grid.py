@@ -1,0 +1,52 @@
+"""How the server waits for replies (``federation.grid.PollingGrid``): every reply is collected
+however late it arrives within the deadline, nothing is waited for past the deadline, and the
+server's wrappers keep their behaviour on top of it."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from flwr_verl.federation.grid import PollingGrid
+
+
+def reply(answers: str) -> SimpleNamespace:
+    """What the grid reads of a Flower reply: the id of the message it answers."""
+    return SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=answers))
+
+
+class SlowGrid:
+    """Replies to message ``i`` from the ``ready_after[i]``-th pull on; None: never."""
+
+    def __init__(self, ready_after: list[int | None]) -> None:
+        self.ready_after, self.pulls, self.sent = ready_after, 0, set()
+
+    def push_messages(self, messages):
+        return [str(i) for i, _ in enumerate(messages)]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        ready = [i for i in message_ids if (after := self.ready_after[int(i)]) is not None and self.pulls >= after]
+        self.sent.update(ready)
+        return [reply(i) for i in ready]
+
+
+def test_every_reply_is_collected_however_many_pulls_it_takes():
+    grid = SlowGrid([1, 4, 12])
+    replies = PollingGrid(grid).send_and_receive([object()] * 3, timeout=600)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["0", "1", "2"]
+    assert grid.pulls == 12  # it stopped pulling once everything had arrived
+
+
+def test_what_has_not_arrived_by_the_deadline_is_left_out_and_the_call_returns():
+    grid = SlowGrid([1, None])
+    started = time.monotonic()
+    replies = PollingGrid(grid).send_and_receive([object()] * 2, timeout=0.5)
+    assert [r.metadata.reply_to_message_id for r in replies] == ["0"]
+    assert time.monotonic() - started < 60  # a deadline, not a hang (generous: a loaded machine)
+    assert grid.pulls > 1
+
+
+def test_no_timeout_waits_until_the_last_reply():
+    grid = SlowGrid([30])
+    assert len(PollingGrid(grid).send_and_receive([object()], timeout=None)) == 1
