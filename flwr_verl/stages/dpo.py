@@ -13,7 +13,10 @@ the response and EOS. A response's log-probability log pi(y|x) is the sum over i
 The chosen and rejected responses of a mini-batch's units go through one forward pass.
 
 **Reference.** The same LoRA policy with its adapter disabled (``peft``'s ``disable_adapter``),
-as TRL's ``DPOTrainer`` does for a new adapter: no second model in memory. With
+as TRL's ``DPOTrainer`` does for a new adapter: no second model in memory. The base is frozen, so
+each unit's reference log-probabilities are computed once, the first time the trainer sees it, and
+kept (TRL's ``precompute_ref_log_probs``, lazily): later steps and evaluations run the policy's
+pass alone. With
 ``model.init_adapter`` set (e.g. a stage-sft adapter) the reference is still the base: the
 policy starts from the SFT adapter, and DPO's KL term anchors it at the base model.
 
@@ -125,12 +128,20 @@ def sequence_log_probs(model: torch.nn.Module, batch: ResponseBatch) -> tuple[to
     return (log_prob * mask).sum(-1), mask.sum(-1)
 
 
-def pair_log_ratios(model, batch: ResponseBatch) -> PairLogRatios:
-    """The policy's log-ratios to its adapter-disabled self (the reference) on ``batch``'s rows
-    (``pair_examples``: P chosen, then P rejected). Gradients flow through the policy's pass only."""
-    policy, tokens = sequence_log_probs(model, batch)
+def reference_log_probs(model, batch: ResponseBatch) -> torch.Tensor:
+    """Each row's log pi_ref(response + EOS | prompt): the policy with its adapter disabled, (R,)."""
     with torch.no_grad(), model.disable_adapter():
-        reference, _ = sequence_log_probs(model, batch)
+        return sequence_log_probs(model, batch)[0]
+
+
+def pair_log_ratios(model, batch: ResponseBatch, reference: torch.Tensor | None = None) -> PairLogRatios:
+    """The policy's log-ratios to its adapter-disabled self (the reference) on ``batch``'s rows
+    (``pair_examples``: P chosen, then P rejected); ``reference``: those rows' reference
+    log-probabilities when known (``reference_log_probs``). Gradients flow through the policy's
+    pass only."""
+    policy, tokens = sequence_log_probs(model, batch)
+    if reference is None:
+        reference = reference_log_probs(model, batch)
     ratio = policy - reference
     pairs = len(ratio) // 2
     return PairLogRatios(ratio[:pairs], ratio[pairs:], tokens[:pairs], tokens[pairs:])
@@ -154,12 +165,29 @@ class LocalDPOTrainer(UnitTrainer):
         super().__init__(config, train_units, models, models.policy)
         self.tokenizer = models.tokenizer
         self.loss = DPO_LOSSES[config.dpo.loss]
+        self._reference: dict[int, tuple[PreferenceUnit, torch.Tensor]] = {}  # id -> (unit, (2, pairs))
 
     def _ratios(self, units: Sequence[PreferenceUnit]) -> tuple[PairLogRatios, torch.Tensor]:
         examples, unit_of_row = pair_examples(units)
         batch = response_batch(examples, unit_of_row, len(units), self.tokenizer, self.config.data.max_prompt_length,
                                self.models.device)
-        return pair_log_ratios(self.model, batch), batch.unit_of_row
+        return pair_log_ratios(self.model, batch, self._cached_reference(units, batch)), batch.unit_of_row
+
+    def _cached_reference(self, units: Sequence[PreferenceUnit], batch: ResponseBatch) -> torch.Tensor:
+        """The reference log-probabilities of ``units``' rows (``pair_examples``' order), computed
+        for the units not seen before and kept: the base never changes."""
+        missing = [u for u in units if self._reference.get(id(u), (None,))[0] is not u]
+        if missing:
+            examples, unit_of_row = pair_examples(missing)
+            fresh = reference_log_probs(self.model, response_batch(
+                examples, unit_of_row, len(missing), self.tokenizer, self.config.data.max_prompt_length,
+                self.models.device)).view(2, -1)
+            start = 0
+            for unit in missing:
+                self._reference[id(unit)] = (unit, fresh[:, start: start + len(unit.pairs)].clone())
+                start += len(unit.pairs)
+        cached = [self._reference[id(u)][1] for u in units]
+        return torch.cat([torch.cat([c[0] for c in cached]), torch.cat([c[1] for c in cached])]).to(batch.input_ids.device)
 
     def unit_loss(self, units: list[PreferenceUnit]) -> UnitLoss:
         ratios, unit_of_row = self._ratios(units)

@@ -3,6 +3,7 @@
     flwr-verl check-config my-profile.toml --set actor.lr=1e-3 --set "algorithm.adv_estimator='rloo'"
     flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp] [--client-level-delta 1e-5]
     flwr-verl run . my-superlink --run-config my-profile.toml --timeout 7200
+    flwr-verl preference-pairs --model DIR --task reasoning_gym:chain_sum --out DIR [...]
 
 ``check-config`` validates a run config before ``flwr run`` sees it. Flower rejects a key that is
 not in the app's ``[tool.flwr.app.config]`` before the app starts, with only
@@ -26,6 +27,10 @@ run's status from the SuperLink (``flwr ls --run-id ID --format json``, the same
 ``flwr ls`` shows) and exits 0 on ``finished:completed``, 1 on a failed or stopped run, 2 on
 an invalid config, 3 when ``--timeout`` passed first (the run is then stopped with
 ``flwr stop``).
+
+``preference-pairs`` writes on-policy preference pairs for stage ``dpo``: the base model's
+sampled replies to a task's problems, labelled by the task's verifier, as TRL parquet split
+train / tune / validation by a hash of the problem (``tools/pairs.py``); exit 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -224,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--timeout", type=float, default=24 * 3600.0, metavar="SECONDS",
                         help="stop the run and exit 3 if it has not ended by then (default: 24 h)")
     submit.set_defaults(handler=run)
+
+    from flwr_verl.tools import pairs
+
+    pairs_command = commands.add_parser("preference-pairs", help="on-policy preference pairs labelled by a task's "
+                                        "verifier, as TRL parquet (train/tune/validation)", description=pairs.run.__doc__)
+    pairs.add_arguments(pairs_command)
+    pairs_command.set_defaults(handler=pairs.run)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -153,6 +153,37 @@ def test_the_reference_is_the_policy_with_its_adapter_disabled(models):
         models.adapters.set_arrays(initial)
 
 
+def test_each_units_reference_is_computed_once_and_matches_a_fresh_pass(models, monkeypatch):
+    """The reference log-probabilities are kept per unit: a unit's log-ratios from the cache (in
+    another batch, another order) equal those of a fresh reference pass, and a seen unit never
+    runs the reference again."""
+    from flwr_verl.stages import dpo as stage
+    from flwr_verl.stages.sft import response_batch
+
+    config = dpo_config(**{"privacy.enabled": False})
+    initial = models.adapters.get_arrays()
+    generator = torch.Generator().manual_seed(5)
+    passes = []
+    fresh_pass = stage.reference_log_probs
+    monkeypatch.setattr(stage, "reference_log_probs", lambda model, batch: passes.append(1) or fresh_pass(model, batch))
+    try:
+        models.adapters.set_arrays([a + 0.05 * torch.randn(a.shape, generator=generator).numpy() for a in initial])
+        trainer = LocalDPOTrainer(config, UNITS, models=models)
+        trainer._ratios(UNITS[:2])
+        assert len(passes) == 1
+        cached, _ = trainer._ratios([UNITS[2], UNITS[0], UNITS[1]])
+        assert len(passes) == 2  # only UNITS[2] was new
+        trainer._ratios(UNITS[::-1])
+        assert len(passes) == 2
+        examples, unit_of_row = pair_examples([UNITS[2], UNITS[0], UNITS[1]])
+        batch = response_batch(examples, unit_of_row, 3, models.tokenizer, config.data.max_prompt_length, models.device)
+        fresh = stage.pair_log_ratios(models.policy, batch)
+        torch.testing.assert_close(cached.chosen, fresh.chosen, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached.rejected, fresh.rejected, atol=1e-5, rtol=0)
+    finally:
+        models.adapters.set_arrays(initial)
+
+
 def test_dpo_per_unit_gradients_equal_each_unit_computed_alone(models):
     """Units with 1, 2 and 3 pairs in one forward pass, the adapter moved off zero first (at
     B = 0 the LoRA A factors get no gradient): each unit's pooled Opacus gradient is its loss's
