@@ -42,7 +42,7 @@ from flwr.client import NumPyClient
 from flwr.common import log
 
 from flwr_verl.config.node import NodeEngineConfig
-from flwr_verl.federation.engine_server import INFO_FILE, LOG, SOCKET, TOKEN, code_digest, private_dir
+from flwr_verl.federation.engine_server import INFO_FILE, LOCK, LOG, SOCKET, TOKEN, code_digest, private_dir
 from flwr_verl.federation.engine_wire import (
     PROTOCOL_VERSION,
     EngineProtocolError,
@@ -169,20 +169,32 @@ class Engine:
                         raise EngineUnavailable(f"another process held {self.directory}/start.lock for "
                                                 f"{START_TIMEOUT_S:g} s while starting the engine") from None
                     time.sleep(0.05)
-            if sock := self.connect():
-                return sock
-            process = self._spawn()
-            if not wait:
-                return None
+            process = None
             while (sock := self.connect()) is None:
-                if process.poll() is not None:
-                    raise EngineUnavailable(f"the node's engine exited at start (code {process.returncode}): "
-                                            f"{_tail(self.log)}")
+                # An engine that holds its lock but has no socket yet is starting: wait for it, start none.
+                if not self._locked():
+                    if process is None:
+                        process = self._spawn()
+                        if not wait:
+                            return None
+                    elif process.poll() is not None:
+                        raise EngineUnavailable(f"the node's engine exited at start (code {process.returncode}): "
+                                                f"{_tail(self.log)}")
                 if time.monotonic() > deadline:
                     raise EngineUnavailable(f"the node's engine did not open {self.directory / SOCKET} within "
                                             f"{START_TIMEOUT_S:g} s; see {self.log}")
                 time.sleep(0.05)
             return sock
+
+    def _locked(self) -> bool:
+        """Whether a live engine holds this directory's engine lock (it may still be starting)."""
+        with open(self.directory / LOCK, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
 
     def _spawn(self) -> subprocess.Popen:
         source = str(Path(__file__).resolve().parents[2])  # this flwr_verl's folder: the engine runs the same code
@@ -217,7 +229,15 @@ class Engine:
         return True
 
     def call(self, op: str, header: dict[str, Any], arrays: list[np.ndarray], timeout: float):
-        reply, out = self.request({"op": op, **header}, arrays, timeout=timeout)
+        """One call; a call that changes nothing on the node (all but fit, whose ledger spend
+        comes first) is sent once more when the engine died under it."""
+        try:
+            reply, out = self.request({"op": op, **header}, arrays, timeout=timeout)
+        except EngineUnavailable as error:
+            if header.get("method") == "fit" or "exited during" not in str(error):
+                raise
+            log(INFO, "flwr-verl: %s; sending the %s again", error, header.get("method", op))
+            reply, out = self.request({"op": op, **header}, arrays, timeout=timeout)
         if reply.get("restart"):  # other code: replace it (after the call it is running) and ask the new one
             log(INFO, "flwr-verl: replacing the node's engine (pid %s): %s", reply.get("pid"), reply["restart"])
             self.stop(timeout)

@@ -280,6 +280,7 @@ class EngineServer:
         method = header.get("method")
         if method not in METHODS:
             raise EngineProtocolError(f"unknown method {method!r}")
+        log.info("flwr-verl engine: %s for run %s, node %s", method, header.get("run_id"), header.get("node_id"))
         run_config = decode_values(header.get("run_config"), "run_config")
         count = header.get("num_parameters")
         if not isinstance(count, int) or not 0 <= count <= len(arrays):
