@@ -70,6 +70,16 @@ def default_engine_dir() -> Path:
     return get_flwr_home() / "flwr-verl" / "engine"
 
 
+LEDGER_KEY = "privacy-ledger"  # privacy.ledger's NODE_PRIVACY_LEDGER; that module imports torch (its accountant)
+
+
+def default_ledger_path() -> Path:
+    """``privacy.ledger.default_path()``, without importing torch (a test keeps the two equal)."""
+    from flwr.supercore.utils import get_flwr_home
+
+    return get_flwr_home() / "flwr-verl" / "privacy-ledger.sqlite"
+
+
 def node_engine(node_config: dict[str, Any]) -> NodeEngineConfig:
     """The node's ``engine``, ``engine-dir`` and ``engine-idle-timeout-s``, checked."""
     return NodeEngineConfig.from_node_config(node_config, default_engine_dir())
@@ -294,10 +304,8 @@ class WarmClient(NumPyClient):
     def _node_config(self) -> dict[str, Any]:
         """The node config, with the ledger's default path resolved here (the engine may have
         been started from another environment)."""
-        from flwr_verl.privacy.ledger import NODE_PRIVACY_LEDGER, default_path
-
         node = dict(self.context.node_config)
-        node.setdefault(NODE_PRIVACY_LEDGER, str(default_path()))
+        node.setdefault(LEDGER_KEY, str(default_ledger_path()))
         return node
 
     def get_properties(self, config: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ to k bits would cost k/8 bytes (Flower 1.42 has no narrower integer type for it)
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -49,23 +50,27 @@ def stage_of(message: Message) -> str:
 
 
 class WireMeter:
-    """Serialized bytes per (node, direction, stage), until ``take``."""
+    """Serialized bytes per (node, direction, stage), and each stage's wall time (send to last
+    reply, ``send_and_receive``), until ``take``."""
 
     def __init__(self) -> None:
         self.traffic: dict[tuple[int, str, str], int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     def count(self, message: Message, direction: str, node_id: int, stage: str) -> None:
         self.traffic[(node_id, direction, stage)] += wire_bytes(message)
 
     def take(self) -> dict:
-        """``{"up": {stage: bytes}, "down": {...}, "per_client": {node: {"up": b, "down": b}}}``
-        (bytes summed over the clients), then start counting afresh."""
+        """``{"up": {stage: bytes}, "down": {...}, "per_client": {node: {"up": b, "down": b}},
+        "seconds": {stage: s}}`` (bytes summed over the clients), then start counting afresh."""
         out: dict = {"up": defaultdict(int), "down": defaultdict(int), "per_client": {}}
         for (node, direction, stage), size in sorted(self.traffic.items()):
             out[direction][stage] += size
             out["per_client"].setdefault(str(node), {"up": 0, "down": 0})[direction] += size
+        seconds = dict(self.seconds)
         self.traffic.clear()
-        return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"]}
+        self.seconds.clear()
+        return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"], "seconds": seconds}
 
 
 class MeteredGrid(Grid):
@@ -112,7 +117,10 @@ class MeteredGrid(Grid):
         stages = {id(m): stage_of(m) for m in messages}
         for message in messages:
             self.meter.count(message, "down", message.metadata.dst_node_id, stages[id(message)])
+        start = time.perf_counter()
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        for stage in set(stages.values()):
+            self.meter.seconds[stage] += time.perf_counter() - start
         by_node = {m.metadata.dst_node_id: stages[id(m)] for m in messages}
         for reply in replies:
             node = reply.metadata.src_node_id

@@ -241,3 +241,15 @@ def test_the_engine_protocol_never_unpickles_and_bounds_what_it_reads():
     with left, right:
         with pytest.raises(FlwrVerlError, match="cannot travel"):
             send_message(left, {}, [np.array([object()])])
+
+
+def test_the_forwarder_imports_no_engine_and_resolves_the_ledger_as_the_engine_does():
+    from flwr_verl.federation.engine_client import LEDGER_KEY, default_ledger_path
+    from flwr_verl.privacy.ledger import NODE_PRIVACY_LEDGER, default_path
+
+    assert (LEDGER_KEY, default_ledger_path()) == (NODE_PRIVACY_LEDGER, default_path())
+    probe = ("import sys, apps.client_app, flwr_verl.federation.engine_client; "
+             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'verl', 'opacus') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
