@@ -7,7 +7,9 @@ Flower only. With node config ``engine = "warm"`` (the default) ``client_fn`` re
 forwarder to the node's warm engine process (``flwr_verl.federation.engine_client``), which keeps
 torch, transformers, verl and the model loaded across messages and runs; with ``engine = "cold"``
 it imports and builds the engine in this process, for messages that train or evaluate only (the
-three SecAgg+ key-exchange stages never call ``client_fn``'s client).
+three SecAgg+ key-exchange stages never call ``client_fn``'s client). Only a ``flwr-clientapp``
+process forwards: a simulation's Ray actors, and a ClientApp called in a process that keeps
+running, stay up across messages and build the engine in place, as with ``cold``.
 Errors reach the server as one-line error replies (``flwr_verl.federation.mods.concise_errors``).
 """
 
@@ -24,10 +26,10 @@ install_concise_errors()
 
 
 def client_fn(context: Context) -> Client:
-    from flwr_verl.federation.engine_client import TimedClient, WarmClient, node_engine
+    from flwr_verl.federation.engine_client import TimedClient, WarmClient, fresh_process_per_message, node_engine
 
     settings = node_engine(context.node_config)
-    if settings.kind == "warm":
+    if settings.kind == "warm" and fresh_process_per_message():  # elsewhere this process is warm already
         return WarmClient(context, settings).to_client()
     from flwr_verl.federation.client import client_from_context
     from flwr_verl.federation.run_config import load_run_config

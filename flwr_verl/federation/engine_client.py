@@ -4,7 +4,9 @@ forwards preflight, fit and evaluate to the engine process, and starts or restar
 Flower 1.42 runs every message in a fresh ClientApp process. With node config ``engine = "warm"``
 (the default) that process imports Flower and this module only; the engine, which holds torch,
 transformers, PEFT, verl, the base model and the data, stays up across messages and runs. With
-``engine = "cold"`` the ClientApp builds the engine itself for every message, as before.
+``engine = "cold"`` the ClientApp builds the engine itself for every message, as before. Only a
+``flwr-clientapp`` process forwards: a simulation's Ray actors and a ClientApp called in-process
+already stay up across messages, and build the engine in place (``fresh_process_per_message``).
 
 - **Start on first use.** A call that finds no engine (no socket, or a socket nobody serves)
   starts one (``python -m flwr_verl.federation.engine_server``, detached, its own session, this
@@ -85,6 +87,14 @@ def node_engine(node_config: dict[str, Any]) -> NodeEngineConfig:
     return NodeEngineConfig.from_node_config(node_config, default_engine_dir())
 
 
+def fresh_process_per_message() -> bool:
+    """Whether this ClientApp runs in a process of its own for this message, ``flwr-clientapp``
+    (a deployment's SuperNode starts one per message). Elsewhere (a simulation's Ray actors, a
+    ClientApp called in a process that keeps running) the caller already stays up across
+    messages, and the engine runs in it whatever node config ``engine`` says."""
+    return Path(sys.argv[0]).name == "flwr-clientapp"
+
+
 def this_code() -> str:
     if not _CODE:
         _CODE.append(code_digest())
@@ -101,6 +111,10 @@ def _tail(path: Path, lines: int = 5) -> str:
     with contextlib.suppress(OSError):
         return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
     return "(no log)"
+
+
+class NoEngine(EngineUnavailable):
+    """No engine serves the directory (and none was to be started)."""
 
 
 class Engine:
@@ -135,7 +149,7 @@ class Engine:
         """Send one request, return the reply; start the engine first when none runs (``start``)."""
         sock = self.connect() or (self.start() if start else None)
         if sock is None:
-            raise EngineUnavailable(f"no flwr-verl engine serves {self.directory}")
+            raise NoEngine(f"no flwr-verl engine serves {self.directory}")
         with sock:
             token = (self.directory / TOKEN).read_text().strip()
             sock.settimeout(timeout)
@@ -159,7 +173,8 @@ class Engine:
     def _died(self, header: dict[str, Any], error: Exception) -> EngineUnavailable:
         what = header.get("method", header["op"])
         with contextlib.suppress(Exception):  # the next message tries again and reports why
-            self.start(wait=False)  # warm again for the next message; nothing is retried
+            if sock := self.start(wait=False):  # warm again for the next message
+                sock.close()
         return EngineUnavailable(f"the node's engine exited during {what} ({error}); a new one is starting for the "
                                  f"next message. End of {self.log}: {_tail(self.log)}")
 
@@ -220,17 +235,17 @@ class Engine:
 
     def status(self) -> dict[str, Any] | None:
         """The running engine's ping reply, or None."""
-        if (sock := self.connect()) is None:
+        try:
+            return self.request({"op": "ping", "code": None}, timeout=STOP_TIMEOUT_S, start=False)[0]
+        except NoEngine:
             return None
-        sock.close()
-        reply, _ = self.request({"op": "ping", "code": None}, timeout=STOP_TIMEOUT_S, start=False)
-        return reply
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
         """Ask the engine to exit after the call it is running; wait for it. False if none ran."""
-        if self.connect() is None:
+        try:
+            reply, _ = self.request({"op": "stop", "code": None}, timeout=timeout, start=False)
+        except NoEngine:
             return False
-        reply, _ = self.request({"op": "stop", "code": None}, timeout=timeout, start=False)
         deadline = time.monotonic() + timeout
         while _alive(reply["pid"]):
             if time.monotonic() > deadline:

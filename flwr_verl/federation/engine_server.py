@@ -205,7 +205,9 @@ class EngineServer:
             if uid != os.getuid():
                 log.warning("flwr-verl engine: refused pid %d of uid %d (not this node's user)", pid, uid)
                 return send_message(conn, {"ok": False, "refused": "another user's process"})
-            header = recv_header(conn)
+            header = recv_header(conn, allow_eof=True)
+            if header is None:  # connected and left without a word: a liveness probe
+                return None
             token = header.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
                 log.warning("flwr-verl engine: refused pid %d: wrong or missing token", pid)

@@ -98,10 +98,16 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def recv_header(sock: socket.socket, max_header: int = MAX_HEADER) -> dict[str, Any]:
-    """The next message's header (its arrays still unread: ``recv_arrays``)."""
+def recv_header(sock: socket.socket, max_header: int = MAX_HEADER, allow_eof: bool = False) -> dict[str, Any] | None:
+    """The next message's header (its arrays still unread: ``recv_arrays``); None when the peer
+    closed the connection before sending anything and ``allow_eof``."""
     prefix = bytearray(8)
-    _recv_into(sock, memoryview(prefix))
+    first = sock.recv_into(prefix)
+    if not first and allow_eof:
+        return None
+    if not first:
+        raise ConnectionError("the peer closed the connection before sending a message")
+    _recv_into(sock, memoryview(prefix)[first:])
     if bytes(prefix[:4]) != MAGIC:
         raise EngineProtocolError("not an flwr-verl engine message (bad magic)")
     (size,) = struct.unpack(">I", prefix[4:])

@@ -217,8 +217,8 @@ def engine(args: argparse.Namespace) -> int:
         if args.engine_command == "start":
             if args.run_config:
                 preload(settings, checked_run_config(args.run_config, [], args.app))
-            elif sock := handle.connect() or handle.start():
-                sock.close()
+            else:
+                handle.start().close()
         status = handle.status()
     except (ConfigError, EngineUnavailable, OSError, tomllib.TOMLDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)

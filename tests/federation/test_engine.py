@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from flwr.app import Context, RecordDict
 
@@ -47,16 +48,12 @@ def engine_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine computes with the test process's thread count
     directory = tmp_path / "engine"
     yield directory
-    info = read_info(directory)
-    if info.get("pid"):
-        with_suppressed(os.kill, info["pid"], signal.SIGKILL)
-
-
-def with_suppressed(function, *args) -> None:
-    try:
-        function(*args)
-    except OSError:
-        pass
+    for process in psutil.process_iter():  # every engine this test started, the one a crash restarted too
+        try:
+            if str(directory) in " ".join(process.cmdline()):
+                process.kill()
+        except psutil.Error:
+            pass
 
 
 def settings(directory: Path) -> NodeEngineConfig:
