@@ -30,6 +30,7 @@ average) and prints a table.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -40,7 +41,12 @@ from pathlib import Path
 import harness
 
 from deploy.launch import LocalDeployment
-from tests.flower_harness import REPO, SMALL_RUN, records
+
+# The deployment test's run (tests/flower_harness.py SMALL_RUN): DP and SecAgg+ on.
+RUN = {"data.train_size": 128, "data.val_size": 16, "data.train_batch_size": 16, "actor.ppo_mini_batch_size": 16,
+       "trainer.local_iterations": 3, "privacy.enabled": True, "privacy.noise_multiplier": 0.8,
+       "privacy.deterministic": True, "secagg.enabled": True,
+       "privacy.metrics": "clear"}  # the fits' own timings reach the server (fit.time_fit_max)
 
 NO_FIT_STAGES = ("secagg_setup", "secagg_share_keys", "secagg_unmask")
 FIT_STAGE = "secagg_collect_masked_vectors"
@@ -62,11 +68,11 @@ def median(values: list[float]) -> float | None:
 
 
 def measure(engine: str, root: Path, rounds: int) -> dict:
-    config = {**SMALL_RUN, "num-server-rounds": rounds, "output-dir": str(root / "out")}
+    config = {**RUN, "num-server-rounds": rounds, "output-dir": str(root / "out")}
     load = os.getloadavg()[0]
     with LocalDeployment(root / "fl", 3, tls=True, auth=True, engine=engine) as fed:
         start = time.perf_counter()
-        done = fed.flwr_verl_run(REPO, config, timeout=1800)
+        done = fed.flwr_verl_run(harness.REPO, config, timeout=1800)
         wall = time.perf_counter() - start
         log = done.stdout + done.stderr
         if done.returncode != 0:
@@ -74,7 +80,7 @@ def measure(engine: str, root: Path, rounds: int) -> dict:
         run_dir = Path(re.search(r"flwr-verl: run directory (\S+)", log)[1])
         first, later = message_overheads([node.log for node in fed.supernodes])
     per_round = []
-    for record in records(run_dir):
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         if "fit" not in record:
             continue
         stages = record["wire"]["seconds"]
@@ -109,6 +115,7 @@ def main() -> None:
     for engine in args.engines:
         with tempfile.TemporaryDirectory(prefix=f"fvd-{engine}-") as scratch:
             results[engine] = measure(engine, Path(scratch), args.rounds)
+        harness.write_json(args.out.with_suffix(f".{engine}.json"), results[engine])  # kept if a later arm fails
         figures = results[engine]
         print(f"{engine}: per-message overhead {figures['per_message_overhead_s']:.2f} s (first "
               f"{figures['first_message_overhead_s']:.2f} s); round {figures['round_s']:.1f} s = "

@@ -278,16 +278,15 @@ class Engine:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not; our own child is reaped)."""
+    import psutil
+
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(ChildProcessError):  # our own child: reap it, else it stays a zombie
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    return True
 
 
 class WarmClient(NumPyClient):

@@ -215,7 +215,12 @@ class EngineServer:
             reply, arrays = self._answer(header, conn)
             conn.settimeout(None)
             send_message(conn, reply, arrays)
-        except (OSError, ConnectionError, EngineProtocolError) as error:  # the peer went away, or sent garbage
+        except EngineProtocolError as error:  # a malformed request: say so, if the peer still listens
+            log.warning("flwr-verl engine: bad request: %s", error)
+            with contextlib.suppress(OSError):
+                send_message(conn, {"ok": False, "error": {"type": type(error).__name__, "message": str(error),
+                                                           "user_error": True}})
+        except OSError as error:  # the peer went away
             log.warning("flwr-verl engine: connection dropped: %s: %s", type(error).__name__, error)
 
     def _answer(self, header: dict[str, Any], conn: socket.socket) -> tuple[dict[str, Any], list]:
