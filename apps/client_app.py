@@ -26,16 +26,23 @@ install_concise_errors()
 
 
 def client_fn(context: Context) -> Client:
-    from flwr_verl.federation.engine_client import TimedClient, WarmClient, fresh_process_per_message, node_engine
+    from flwr_verl.federation.engine_client import (
+        TimedClient,
+        WarmClient,
+        fresh_process_per_message,
+        node_engine,
+        process_age_s,
+    )
 
+    called_at = process_age_s()  # what Flower's ClientApp process took before this call (logged per message)
     settings = node_engine(context.node_config)
     if settings.kind == "warm" and fresh_process_per_message():  # elsewhere this process is warm already
-        return WarmClient(context, settings).to_client()
+        return WarmClient(context, settings, called_at).to_client()
     from flwr_verl.federation.client import client_from_context
     from flwr_verl.federation.run_config import load_run_config
 
     config = load_run_config(context.run_config).engine
-    return TimedClient(client_from_context(context, config)).to_client()
+    return TimedClient(client_from_context(context, config), called_at).to_client()
 
 
 app = ClientApp(client_fn=client_fn, mods=[concise_errors, secaggplus_when_requested])

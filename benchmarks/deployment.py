@@ -13,7 +13,11 @@ responses, DP noise 0.8, SecAgg+, evaluation every round). Figures:
 - ``per_message_overhead_s``: for each message that calls the engine (preflight, fit, evaluate),
   the ClientApp process's time from its start to its reply, less the engine's compute for the
   message; each node logs both (``engine_client.MESSAGE_LINE``). Median over every message after
-  each node's first (warm: the first one starts the engine; reported as ``first_message_overhead_s``);
+  each node's first (warm: the first one starts the engine; reported as ``first_message_overhead_s``),
+  split into ``flower_clientapp_s`` (Flower's ``flwr-clientapp`` process until it calls the app:
+  Python, Flower's imports, pulling the message and the app bundle) and ``app_overhead_s`` (the
+  app's own: the ClientApp's client and, warm, the socket round trip; cold, the engine's imports
+  and model load);
 - ``round_over_fit``: a round's wall time (``seconds`` in metrics.jsonl: the server's
   configure_fit to aggregate_fit, evaluation excluded) over the slowest client's fit compute
   (``fit.time_fit_max``), median over rounds after the first;
@@ -50,17 +54,23 @@ RUN = {"data.train_size": 128, "data.val_size": 16, "data.train_batch_size": 16,
 
 NO_FIT_STAGES = ("secagg_setup", "secagg_share_keys", "secagg_unmask")
 FIT_STAGE = "secagg_collect_masked_vectors"
-LINE = re.compile(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute, ([\d.]+) s since the ClientApp")
+LINE = re.compile(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute, ([\d.]+) s since the ClientApp "
+                  r"process started \(([\d.]+) s of them before Flower called the app\)")
 
 
-def message_overheads(logs: list[Path]) -> tuple[list[float], list[float]]:
-    """(overheads of each node's first engine message, of every later one)."""
-    first, later = [], []
+def message_overheads(logs: list[Path]) -> dict[str, list[float]]:
+    """Per message: its overhead (process start to reply, less compute), split into Flower's part
+    (process start to the app's ``client_fn``) and the app's (``client_fn`` to reply, less compute);
+    each node's first engine message apart."""
+    out: dict[str, list[float]] = {"first": [], "later": [], "flower": [], "app": []}
     for log in logs:
-        found = [float(total) - float(compute) for _, _, compute, total in LINE.findall(log.read_text(errors="replace"))]
-        first += found[:1]
-        later += found[1:]
-    return first, later
+        found = [(float(total) - float(compute), float(flower), float(total) - float(compute) - float(flower))
+                 for _, _, compute, total, flower in LINE.findall(log.read_text(errors="replace"))]
+        out["first"] += [total for total, _, _ in found[:1]]
+        out["later"] += [total for total, _, _ in found[1:]]
+        out["flower"] += [flower for _, flower, _ in found[1:]]
+        out["app"] += [app for _, _, app in found[1:]]
+    return out
 
 
 def median(values: list[float]) -> float | None:
@@ -78,7 +88,7 @@ def measure(engine: str, root: Path, rounds: int) -> dict:
         if done.returncode != 0:
             raise RuntimeError(f"{engine}: the run failed:\n{log[-4000:]}")
         run_dir = Path(re.search(r"flwr-verl: run directory (\S+)", log)[1])
-        first, later = message_overheads([node.log for node in fed.supernodes])
+        overheads = message_overheads([node.log for node in fed.supernodes])
     per_round = []
     for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         if "fit" not in record:
@@ -96,8 +106,9 @@ def measure(engine: str, root: Path, rounds: int) -> dict:
     def steady_median(key: str) -> float:
         return statistics.median(r[key] for r in steady)
 
-    return {"per_message_overhead_s": median(later), "first_message_overhead_s": median(first),
-            "message_overheads_s": later, "round_over_fit": steady_median("round_over_fit"),
+    return {"per_message_overhead_s": median(overheads["later"]),
+            "flower_clientapp_s": median(overheads["flower"]), "app_overhead_s": median(overheads["app"]),
+            "first_message_overhead_s": median(overheads["first"]), "message_overheads_s": overheads["later"], "round_over_fit": steady_median("round_over_fit"),
             "round_over_fit_and_secagg": steady_median("round_over_fit_and_secagg"),
             "secagg_protocol_s": steady_median("secagg_protocol_s"), "time_fit_max_s": steady_median("time_fit_max"),
             "round_s": steady_median("seconds"), "fit_stage_overhead_s": steady_median("fit_stage_overhead_s"),
@@ -117,7 +128,8 @@ def main() -> None:
             results[engine] = measure(engine, Path(scratch), args.rounds)
         harness.write_json(args.out.with_suffix(f".{engine}.json"), results[engine])  # kept if a later arm fails
         figures = results[engine]
-        print(f"{engine}: per-message overhead {figures['per_message_overhead_s']:.2f} s (first "
+        print(f"{engine}: per-message overhead {figures['per_message_overhead_s']:.2f} s (Flower's ClientApp process "
+              f"{figures['flower_clientapp_s']:.2f} s, the app {figures['app_overhead_s']:.2f} s; first message "
               f"{figures['first_message_overhead_s']:.2f} s); round {figures['round_s']:.1f} s = "
               f"{figures['round_over_fit']:.2f} x the slowest fit ({figures['time_fit_max_s']:.2f} s), "
               f"{figures['round_over_fit_and_secagg']:.2f} x (fit + SecAgg+ protocol {figures['secagg_protocol_s']:.1f} s); "

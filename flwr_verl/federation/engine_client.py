@@ -60,7 +60,8 @@ from flwr_verl.federation.engine_wire import (
 
 START_TIMEOUT_S = 180.0  # for a new engine's socket (a Python start); its imports count against the call's deadline
 STOP_TIMEOUT_S = 120.0
-MESSAGE_LINE = "flwr-verl: %s message, %s engine: %.2f s compute, %.2f s since the ClientApp process started"
+MESSAGE_LINE = ("flwr-verl: %s message, %s engine: %.2f s compute, %.2f s since the ClientApp process started "
+                "(%.2f s of them before Flower called the app)")
 STATE_KEY = "flwr_verl.error_feedback"  # compression.StateErrorFeedback.KEY (not imported: it pulls no torch, but
 # keeps this module's imports to Flower's)
 _CODE: list[str] = []
@@ -292,8 +293,8 @@ def _alive(pid: int) -> bool:
 class WarmClient(NumPyClient):
     """The ClientApp's client under ``engine = "warm"``: every call goes to the node's engine."""
 
-    def __init__(self, context: Context, settings: NodeEngineConfig) -> None:
-        self.context, self.engine = context, Engine(settings)
+    def __init__(self, context: Context, settings: NodeEngineConfig, called_at: float = 0.0) -> None:
+        self.context, self.engine, self.called_at = context, Engine(settings), called_at
         run = context.run_config
         secagg = bool(run.get("secagg.enabled", True))
         self.fit_timeout = float(run.get("secagg.timeout", 300.0) if secagg else run.get("fit-timeout", 1800.0))
@@ -312,7 +313,7 @@ class WarmClient(NumPyClient):
             self.context.state.array_records[STATE_KEY] = ArrayRecord(kept)
         else:
             self.context.state.array_records.pop(STATE_KEY, None)
-        log(INFO, MESSAGE_LINE, method, "warm", reply["seconds"], process_age_s())
+        log(INFO, MESSAGE_LINE, method, "warm", reply["seconds"], process_age_s(), self.called_at)
         return reply, results
 
     def _node_config(self) -> dict[str, Any]:
@@ -341,13 +342,13 @@ class WarmClient(NumPyClient):
 class TimedClient(NumPyClient):
     """A cold client that logs each message's ``MESSAGE_LINE``, as ``WarmClient`` does."""
 
-    def __init__(self, client: NumPyClient) -> None:
-        self.client = client
+    def __init__(self, client: NumPyClient, called_at: float = 0.0) -> None:
+        self.client, self.called_at = client, called_at
 
     def _timed(self, method: str, *args):
         start = time.perf_counter()
         result = getattr(self.client, method)(*args)
-        log(INFO, MESSAGE_LINE, method, "cold", time.perf_counter() - start, process_age_s())
+        log(INFO, MESSAGE_LINE, method, "cold", time.perf_counter() - start, process_age_s(), self.called_at)
         return result
 
     def get_properties(self, config):

@@ -262,7 +262,8 @@ def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, two_run
     engine = deployment.supernodes[0].node_config["engine"]
     for node in deployment.supernodes:
         log = node.log.read_text(errors="replace")
-        lines = re.findall(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute", log)
+        lines = re.findall(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute, [\d.]+ s since the "
+                           r"ClientApp process started \([\d.]+ s of them before Flower", log)
         assert {kind for _, kind, _ in lines} == {engine}, lines
         assert {method for method, _, _ in lines} >= {"fit", "evaluate"}
         engine_log = node.flwr_home / "flwr-verl" / "engine" / "engine.log"
