@@ -302,6 +302,7 @@ class EngineServer:
         client = client_from_context(context, self._engine_config(run_config))
         config = decode_values(header.get("config"), "config")
         out: list = []
+        start = time.perf_counter()
         if method == "get_properties":
             reply = {"metrics": encode_values(client.get_properties(config))}
         elif method == "get_parameters":
@@ -315,7 +316,8 @@ class EngineServer:
             reply = {"loss": float(loss), "num_examples": int(num_examples), "metrics": encode_values(metrics)}
         after = state.array_records.get(StateErrorFeedback.KEY)
         kept = [] if after is None else after.to_numpy_ndarrays()
-        return {**reply, "num_results": len(out), "residual": after is not None}, [*out, *kept]
+        return {**reply, "num_results": len(out), "residual": after is not None,
+                "compute_seconds": time.perf_counter() - start}, [*out, *kept]
 
 
 def main(argv: list[str] | None = None) -> int:
