@@ -16,7 +16,9 @@ authentication. Everything binds to 127.0.0.1 and lives under one directory::
   ``flower-supernode`` command lines it ran, to copy onto real machines;
 - ``certs/`` (``--tls``): a throwaway CA, the SuperLink's certificate and key;
 - ``keys/`` (``--auth``): one OpenSSH ECDSA key pair per SuperNode, registered with the SuperLink;
-- ``superlink.log``, ``supernode-<i>.log``, ``deployment.json`` (ports, process ids).
+- ``superlink.log``, ``supernode-<i>.log``, ``deployment.json`` (ports, process ids);
+- ``supernode-<i>/flwr_home/flwr-verl/engine/``: each node's warm engine (socket, token, log), once
+  its first ClientApp has started it (``--engine cold``: none).
 
 Every process it starts carries ``FLWR_VERL_DEPLOYMENT=<dir>`` in its environment; ``down``
 (and ``LocalDeployment.stop``) ends every process with that marker, including the SuperExec and
@@ -122,7 +124,7 @@ class LocalDeployment:
 
     def __init__(self, root: Path, num_supernodes: int, *, tls: bool = False, auth: bool = False,
                  port: int | None = None, node_config: dict[int, dict] | None = None,
-                 connection: str = CONNECTION) -> None:
+                 connection: str = CONNECTION, engine: str | None = None) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses --enable-supernode-auth with "
                              "--insecure)")
@@ -139,7 +141,7 @@ class LocalDeployment:
         self.supernodes = [
             SuperNode(i, free_port(), self.root / f"supernode-{i}.log", self.root / f"supernode-{i}" / "flwr_home",
                       node_config={"partition-id": i, "num-partitions": num_supernodes,
-                                   **(node_config or {}).get(i, {})})
+                                   **({"engine": engine} if engine else {}), **(node_config or {}).get(i, {})})
             for i in range(num_supernodes)
         ]
 
@@ -448,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, default=9093, help="SuperLink port (Fleet, Control and Runtime APIs)")
     up.add_argument("--tls", action="store_true", help="generate a throwaway CA and serve over TLS")
     up.add_argument("--auth", action="store_true", help="register one key per SuperNode; implies --tls")
+    up.add_argument("--engine", choices=("warm", "cold"), help="node config engine of every SuperNode (default: "
+                    "the app's, warm: one engine process per node, kept across messages)")
     down = sub.add_parser("down", help="stop every process started under --dir")
     down.add_argument("--dir", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -459,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"stopped {len(victims)} processes under {root}")
         return
 
-    deployment = LocalDeployment(args.dir, args.supernodes, tls=args.tls or args.auth, auth=args.auth, port=args.port)
+    deployment = LocalDeployment(args.dir, args.supernodes, tls=args.tls or args.auth, auth=args.auth, port=args.port,
+                                 engine=args.engine)
     try:
         deployment.start()
     except BaseException:

@@ -29,12 +29,34 @@ _LEDGERS: dict[str, PrivacyLedger] = {}
 _REWARD_MODELS: dict[str, RewardModel | DPOVerifier] = {}
 
 
+def _models_key(config: EngineConfig) -> str:
+    return repr((config.stage, config.model, config.needs_critic, config.trainer.seed))
+
+
 def cached_models(config: EngineConfig) -> Models:
     """One set of models per process and model config (Flower re-creates clients per message)."""
-    key = repr((config.stage, config.model, config.needs_critic, config.trainer.seed))
+    key = _models_key(config)
     if key not in _MODELS:
         _MODELS[key] = build_stage_models(config)
     return _MODELS[key]
+
+
+def keep_only_models(config: EngineConfig) -> bool:
+    """Drop every cached set of models but ``config``'s, before it is built: a warm engine then
+    never holds two copies of a base model (a 7B one on a GPU twice would not fit). True when
+    something was dropped."""
+    others = [key for key in _MODELS if key != _models_key(config)]
+    for key in others:
+        del _MODELS[key]
+    if others:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return bool(others)
 
 
 def cached_reward_model(config: EngineConfig, path: str, key: str, device) -> RewardModel | DPOVerifier:

@@ -26,6 +26,7 @@ to k bits would cost k/8 bytes (Flower 1.42 has no narrower integer type for it)
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -52,23 +53,27 @@ def stage_of(message: Message) -> str:
 
 
 class WireMeter:
-    """Serialized bytes per (node, direction, stage), until ``take``."""
+    """Serialized bytes per (node, direction, stage), and each stage's wall time (from its push
+    to its last reply pulled), until ``take``."""
 
     def __init__(self) -> None:
         self.traffic: dict[tuple[int, str, str], int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     def count(self, message: Message, direction: str, node_id: int, stage: str) -> None:
         self.traffic[(node_id, direction, stage)] += wire_bytes(message)
 
     def take(self) -> dict:
-        """``{"up": {stage: bytes}, "down": {...}, "per_client": {node: {"up": b, "down": b}}}``
-        (bytes summed over the clients), then start counting afresh."""
+        """``{"up": {stage: bytes}, "down": {...}, "per_client": {node: {"up": b, "down": b}},
+        "seconds": {stage: s}}`` (bytes summed over the clients), then start counting afresh."""
         out: dict = {"up": defaultdict(int), "down": defaultdict(int), "per_client": {}}
         for (node, direction, stage), size in sorted(self.traffic.items()):
             out[direction][stage] += size
             out["per_client"].setdefault(str(node), {"up": 0, "down": 0})[direction] += size
+        seconds = dict(self.seconds)
         self.traffic.clear()
-        return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"]}
+        self.seconds.clear()
+        return {"up": dict(out["up"]), "down": dict(out["down"]), "per_client": out["per_client"], "seconds": seconds}
 
 
 class MeteredGrid(PollingGrid):
@@ -80,21 +85,25 @@ class MeteredGrid(PollingGrid):
     def __init__(self, grid: Grid, meter: WireMeter) -> None:
         super().__init__(grid)
         self.meter = meter
-        self._stages: dict[str, str] = {}  # message id -> its stage, until the reply is pulled
+        self._stages: dict[str, tuple[str, float]] = {}  # message id -> (its stage, pushed at), until answered
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         ids = list(self.grid.push_messages(messages))
+        pushed_at = time.perf_counter()
         for message, message_id in zip(messages, ids):
-            stage = self._stages[message_id] = stage_of(message)
+            stage = stage_of(message)
+            self._stages[message_id] = (stage, pushed_at)
             self.meter.count(message, "down", message.metadata.dst_node_id, stage)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self.grid.pull_messages(message_ids))
+        pulled_at = time.perf_counter()
         for reply in replies:
-            stage = self._stages.pop(reply.metadata.reply_to_message_id, stage_of(reply))
+            stage, pushed_at = self._stages.pop(reply.metadata.reply_to_message_id, (stage_of(reply), pulled_at))
             self.meter.count(reply, "up", reply.metadata.src_node_id, stage)
+            self.meter.seconds[stage] = max(self.meter.seconds[stage], pulled_at - pushed_at)
         return replies
 
 

@@ -4,6 +4,7 @@
     flwr-verl ledger show [PATH] [--delta 1e-5] [--accountant rdp] [--client-level-delta 1e-5]
     flwr-verl run . my-superlink --run-config my-profile.toml --timeout 7200
     flwr-verl preference-pairs --model DIR --task reasoning_gym:chain_sum --out DIR [...]
+    flwr-verl engine start|status|stop [--dir DIR] [--run-config my-profile.toml]
 
 ``check-config`` validates a run config before ``flwr run`` sees it. Flower rejects a key that is
 not in the app's ``[tool.flwr.app.config]`` before the app starts, with only
@@ -31,6 +32,14 @@ an invalid config, 3 when ``--timeout`` passed first (the run is then stopped wi
 ``preference-pairs`` writes on-policy preference pairs for stage ``dpo``: the base model's
 sampled replies to a task's problems, labelled by the task's verifier, as TRL parquet split
 train / tune / validation by a hash of the problem (``tools/pairs.py``); exit 2 on a bad argument.
+
+``engine`` manages this node's warm engine (``flwr_verl.federation.engine_server``; node config
+``engine = "warm"``): ``start`` starts it if none runs and waits until it answers (with
+``--run-config FILE`` it also loads that run config's models, binding the engine to their base
+model, so the first round does not pay for it); ``status`` prints its pid, base model, calls and
+uptime as JSON (exit 1 when none runs); ``stop`` lets it finish the call it is running, then ends
+it. ``--dir`` is the node's ``engine-dir`` (default ``$FLWR_HOME/flwr-verl/engine``: run it with
+the SuperNode's ``FLWR_HOME``).
 """
 
 from __future__ import annotations
@@ -196,6 +205,37 @@ def _follow(command: list[str], superlink: list[str], timeout: float) -> int:
     return 0 if status == COMPLETED else EXIT_FAILED
 
 
+def engine(args: argparse.Namespace) -> int:
+    """Start, inspect or stop this node's warm engine."""
+    from flwr_verl.federation.engine_client import Engine, node_engine, preload
+    from flwr_verl.federation.engine_wire import EngineUnavailable
+
+    node = {"engine-dir": str(args.dir)} if args.dir else {}
+    if args.idle_timeout_s is not None:
+        node["engine-idle-timeout-s"] = args.idle_timeout_s
+    try:
+        settings = node_engine(node)
+        handle = Engine(settings)
+        if args.engine_command == "stop":
+            print("stopped" if handle.stop() else f"no engine runs in {settings.directory}")
+            return 0
+        if args.engine_command == "start":
+            if args.run_config:
+                preload(settings, checked_run_config(args.run_config, [], args.app))
+            else:
+                handle.start().close()
+        status = handle.status()
+    except (ConfigError, EngineUnavailable, OSError, tomllib.TOMLDecodeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INVALID if isinstance(error, ConfigError) else EXIT_FAILED
+    if status is None:
+        print(f"no engine runs in {settings.directory}")
+        return EXIT_FAILED
+    print(json.dumps({key: status.get(key) for key in ("pid", "base", "calls", "uptime_s")} |
+                     {"dir": str(settings.directory)}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flwr-verl", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -236,6 +276,19 @@ def main(argv: list[str] | None = None) -> int:
                                         "verifier, as TRL parquet (train/tune/validation)", description=pairs.run.__doc__)
     pairs.add_arguments(pairs_command)
     pairs_command.set_defaults(handler=pairs.run)
+
+    engines = commands.add_parser("engine", help="start, inspect or stop this node's warm engine").add_subparsers(
+        dest="engine_command", required=True, metavar="COMMAND")
+    for name, text in (("start", "start the engine (if none runs) and wait until it answers"),
+                       ("status", "print the running engine's pid, base model, calls and uptime"),
+                       ("stop", "end the engine after the call it is running")):
+        command = engines.add_parser(name, help=text, description=text)
+        command.add_argument("--dir", type=Path, help="the node's engine-dir (default: $FLWR_HOME/flwr-verl/engine)")
+        command.add_argument("--idle-timeout-s", type=float, help="start: exit after this long without a call "
+                             "(default 3600)")
+        command.add_argument("--run-config", metavar="FILE", help="start: also load this run config's models")
+        command.add_argument("--app", type=Path, default=APP_DIR, help="the Flower app whose defaults apply")
+        command.set_defaults(handler=engine)
     args = parser.parse_args(argv)
     return args.handler(args)
 

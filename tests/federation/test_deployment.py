@@ -6,7 +6,9 @@ SuperNode registered with ``flwr supernode register``, and SuperNodes with ``--r
 ``--auth-supernode-private-key`` and ``--node-config "partition-id=i num-partitions=3"``. The run
 is the simulation test's (2 rounds, DP and SecAgg+ on) and is checked the same way. Then nodes
 that must be refused are: one with an unregistered key, one without TLS, one that trusts another CA.
-Every process is stopped at the end, whatever happened (``local_deployment``).
+Every process is stopped at the end, whatever happened (``local_deployment``). The whole module
+runs twice: every node on a warm engine (one engine process per node, kept across messages and
+runs), then every node cold (a fresh engine in every ClientApp process).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from tests.flower_harness import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deploy") / "fl"
+@pytest.fixture(scope="module", params=["warm", "cold"])
+def deployment(tmp_path_factory, request):
+    """Every node on a warm engine (node config ``engine``, the default), then every node cold."""
+    root = tmp_path_factory.mktemp(f"deploy-{request.param}") / "fl"
     # Node 0 names its ledger file; nodes 1 and 2 keep theirs at the default, under their FLWR_HOME.
     ledger = {0: {"privacy-ledger": str(root / "org-0-ledger.sqlite")}}
-    with local_deployment(root, num_supernodes=3, tls=True, auth=True, node_config=ledger) as fed:
+    with local_deployment(root, num_supernodes=3, tls=True, auth=True, node_config=ledger,
+                          engine=request.param) as fed:
         yield fed
 
 
@@ -249,3 +253,24 @@ def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_o
     assert engine.trainer.local_iterations in [run.iterations for run in ledger.runs(data_set)]
     assert [r["round"] for r in records(main_dir)] == [0, 1, 2]
     assert (other_dir / "adapters" / "final" / "policy").is_dir()
+
+
+def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, two_runs_at_once):
+    """Warm: each node started one engine, which served every message of both runs (their messages
+    say so), from its own directory under the node's Flower home. Cold: no engine process."""
+    two_runs_at_once["other"][0].wait(timeout=600)
+    engine = deployment.supernodes[0].node_config["engine"]
+    for node in deployment.supernodes:
+        log = node.log.read_text(errors="replace")
+        lines = re.findall(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute, [\d.]+ s since the "
+                           r"ClientApp process started \([\d.]+ s of them before Flower", log)
+        assert {kind for _, kind, _ in lines} == {engine}, lines
+        assert {method for method, _, _ in lines} >= {"fit", "evaluate"}
+        engine_log = node.flwr_home / "flwr-verl" / "engine" / "engine.log"
+        if engine == "cold":
+            assert not engine_log.exists()
+            continue
+        text = engine_log.read_text(errors="replace")
+        assert text.count("flwr-verl engine: listening on") == 1, text[-3000:]
+        assert text.count("flwr-verl engine: fit for run") >= 3  # 2 rounds of one run, 1 of the other
+        assert len(set(re.findall(r"engine: fit for run (\d+)", text))) >= 2  # both runs (and later ones), one engine

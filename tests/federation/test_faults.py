@@ -17,6 +17,10 @@ on, and kills real processes:
   reproducible), but the 2 left cannot run another round, so the run stops with one line saying
   so, and resumes once the node is back.
 
+The deployment parts run twice: every node on a warm engine (node config ``engine``, the default:
+a killed SuperNode's engine process outlives it, as on a machine whose SuperNode alone crashed,
+and serves it again once it is back), then every node cold.
+
 Killed SuperNodes get SIGTERM after their ClientApp got SIGKILL (see
 ``LocalDeployment.kill_supernode``); with SIGKILL the SuperLink would notice only when the
 node's heartbeat lapses, which costs up to a minute and changes nothing else.
@@ -468,9 +472,11 @@ def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
     return log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    with local_deployment(tmp_path_factory.mktemp("faults") / "fl", num_supernodes=3) as deployment:
+@pytest.fixture(scope="module", params=["warm", "cold"])
+def federation(tmp_path_factory, request):
+    """Every node on a warm engine (the default), then every node cold: each fault below runs on both."""
+    with local_deployment(tmp_path_factory.mktemp(f"faults-{request.param}") / "fl", num_supernodes=3,
+                          engine=request.param) as deployment:
         yield deployment
 
 
