@@ -17,9 +17,10 @@ on, and kills real processes:
   reproducible), but the 2 left cannot run another round, so the run stops with one line saying
   so, and resumes once the node is back.
 
-The deployment parts run twice: every node on a warm engine (node config ``engine``, the default:
+The deployment parts run with every node on a warm engine (node config ``engine``, the default:
 a killed SuperNode's engine process outlives it, as on a machine whose SuperNode alone crashed,
-and serves it again once it is back), then every node cold.
+and serves it again once it is back), and with ``FLWR_VERL_FAULT_ENGINES=warm,cold`` every node
+cold too.
 
 Killed SuperNodes get SIGTERM after their ClientApp got SIGKILL (see
 ``LocalDeployment.kill_supernode``); with SIGKILL the SuperLink would notice only when the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -472,9 +474,15 @@ def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
     return log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module", params=["warm", "cold"])
+# The suite runs the faults on the default warm engine; FLWR_VERL_FAULT_ENGINES=warm,cold runs them
+# cold too (test_deployment.py runs the whole deployment on both in every suite).
+FAULT_ENGINES = os.environ.get("FLWR_VERL_FAULT_ENGINES", "warm").split(",")
+
+
+@pytest.fixture(scope="module", params=FAULT_ENGINES)
 def federation(tmp_path_factory, request):
-    """Every node on a warm engine (the default), then every node cold: each fault below runs on both."""
+    """Every node on a warm engine (the default), and with FLWR_VERL_FAULT_ENGINES=warm,cold every
+    node cold after it: each fault below runs on each."""
     with local_deployment(tmp_path_factory.mktemp(f"faults-{request.param}") / "fl", num_supernodes=3,
                           engine=request.param) as deployment:
         yield deployment
