@@ -5,12 +5,22 @@ Goal: no target set (it chooses the recipe: the warm start's length and ``actor.
 with it, never on the validation problems).
 
     python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
+    python benchmarks/embedded_recipe.py --lrs 1e-2,2e-2 --batches 256 --local-iterations 3
 
-The default job (``pyproject.toml``): 3 clients x 2048 prompts, batches of 64, 8 rounds of 10
-DP-GRPO iterations at noise multiplier 0.65 (epsilon about 7.2 at delta 1e-5), FedProx mu 0.01,
-``actor.lr`` 3e-3 and ``rollout.n`` 4 unless ``--lrs`` / ``--ns``. ``benchmarks/dp_utility.run`` emulates it (no Flower
-transport; SecAgg+ changes the sum by less than 1e-4); every seed draws other DP noise and batches,
-as a fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
+The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
+0.01; each arm sets the batch (``--batches``: ``data.train_batch_size``, one update an iteration),
+the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``) and ``rollout.n``
+(``--ns``), and gets the noise multiplier that spends ``--epsilon`` (7.21 at delta 1e-5, the
+default job's) over its 8 rounds. ``benchmarks/dp_utility.run`` emulates it (no Flower transport;
+SecAgg+ changes the sum by less than 1e-4); every seed draws other DP noise and batches, as a
+fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
+
+On 2026-12-05 (tune split, 3 seeds each, version 3's build): batch 64 x 10 at lr 6e-3 with n 8
++0.173, at 9e-3 +0.177; batch 128 x 5 at 6e-3 +0.193, at 1.2e-2 +0.165; batch 256 x 5 at 6e-3
++0.202, at 1.2e-2 +0.198; batch 256 x 3 at 1e-2 **+0.206** (+0.198 to +0.218), at 2e-2 +0.169.
+At one epsilon a larger batch buys more signal than noise (sigma 0.65 at 64 x 80 iterations, 0.863
+at 256 x 24: signal / noise 98 -> 297 prompts per unit of noise), so the default job is now 256 x 3
+at 1e-2, for 1.2x the rollouts.
 
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
