@@ -79,7 +79,7 @@ class DataConfig:
     task: str = "arithmetic"
     train_size: int = 2048  # prompts generated per client by a task generator
     val_size: int = 64
-    train_batch_size: int = 64  # prompts per local iteration (expected prompts under DP)
+    train_batch_size: int = 256  # prompts per local iteration (expected prompts under DP)
     max_prompt_length: int = 256
     partition: str = "iid"  # how a dataset is split across clients: iid | dirichlet
     dirichlet_alpha: float = 0.5
@@ -228,7 +228,7 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 64  # prompts per update (each with its n responses)
+    ppo_mini_batch_size: int = 256  # prompts per update (each with its n responses)
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
@@ -240,7 +240,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    lr: float = 6e-3  # chosen on the embedded task's tune split under DP (benchmarks/embedded_recipe.py)
+    lr: float = 1e-2  # chosen on the embedded task's tune split under DP (benchmarks/embedded_recipe.py)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 
@@ -304,7 +304,7 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     seed: int = 0
-    local_iterations: int = 10  # RL iterations (rollout + update) per fit / per baseline round
+    local_iterations: int = 3  # RL iterations (rollout + update) per fit / per baseline round
     num_threads: int = 1  # torch threads; one is fastest for tiny models on shared cores
 
     def __post_init__(self) -> None:
