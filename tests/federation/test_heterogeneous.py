@@ -136,8 +136,8 @@ def test_a_straggler_that_misses_the_fit_deadline_is_dropped_and_the_round_compl
     from federation_wire import LoopbackGrid, measure_wire
 
     class StragglerGrid(LoopbackGrid):
-        def send_and_receive(self, messages, *, timeout=None):
-            replies = super().send_and_receive(messages, timeout=timeout)
+        def pull_messages(self, message_ids):
+            replies = super().pull_messages(message_ids)
             return [r for r in replies if not (r.metadata.src_node_id == 3 and r.metadata.message_type == "train")]
 
     run = {"num-server-rounds": 1, "min-fit-clients": 3, "min-evaluate-clients": 2, "min-available-clients": 3,
