@@ -629,12 +629,13 @@ def test_resume_refuses_a_changed_model_or_privacy_config_naming_each_key(tmp_pa
     from flwr_verl.config import ConfigError, RunConfig, parse_run_config
 
     adapters = build_models(tiny_config().model, with_critic=False).adapters
-    first = parse_run_config({"output-dir": str(tmp_path), "model.lora_alpha": 16.0})
+    pinned = {"model.lora_alpha": 16.0, "privacy.noise_multiplier": 0.65}  # whatever the defaults become
+    first = parse_run_config({"output-dir": str(tmp_path), **pinned})
     run = RunDirectory.create(str(tmp_path), adapters, first)
     run.save(strategy_for(adapters.get_arrays()).state_dict(), final=False)
 
     def resume(**overrides) -> RunConfig:
-        return parse_run_config({"output-dir": str(tmp_path), "resume": True, "model.lora_alpha": 16.0, **overrides})
+        return parse_run_config({"output-dir": str(tmp_path), "resume": True, **pinned, **overrides})
 
     with pytest.raises(ConfigError) as error:
         RunDirectory.create(str(tmp_path), adapters, resume(**{"model.lora_alpha": 64.0, "model.lora_rank": 4,
