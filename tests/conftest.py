@@ -60,9 +60,22 @@ def reward_model_dirs(tmp_path_factory):
     }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Files with tests that start real Flower processes run first (each keeps its own order): with
-    ``-n 2 --dist loadfile`` each worker then begins on one of those long files and the many short
-    ones fill in at the end, instead of a long file starting last and running alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Scheduling for the README's ``-n 4 --dist loadgroup``. A test file is one xdist group, so a
+    module fixture (a shared deployment or simulation) runs once; a test that starts its own real
+    processes, and each engine's half of a module parametrized over engines, name a group of their
+    own (``pytest.mark.xdist_group``) and run beside the rest of their file. Real-process tests
+    spend much of their time in Flower's polls and timeouts, so four workers share two cores well.
+    Groups with real Flower processes run first (each keeps its own order): a long group starting
+    last would run alone at the end."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    slow_groups = {group_of(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: group_of(item) not in slow_groups)
+
+
+def group_of(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark.args else mark.kwargs["name"]

@@ -38,7 +38,8 @@ from tests.flower_harness import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["warm", "cold"])
+@pytest.fixture(scope="module", params=[pytest.param(engine, marks=pytest.mark.xdist_group(f"deployment-{engine}"))
+                                        for engine in ("warm", "cold")])
 def deployment(tmp_path_factory, request):
     """Every node on a warm engine (node config ``engine``, the default), then every node cold."""
     root = tmp_path_factory.mktemp(f"deploy-{request.param}") / "fl"

@@ -479,7 +479,8 @@ def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
 FAULT_ENGINES = os.environ.get("FLWR_VERL_FAULT_ENGINES", "warm").split(",")
 
 
-@pytest.fixture(scope="module", params=FAULT_ENGINES)
+@pytest.fixture(scope="module", params=[pytest.param(engine, marks=pytest.mark.xdist_group(f"faults-{engine}"))
+                                        for engine in FAULT_ENGINES])
 def federation(tmp_path_factory, request):
     """Every node on a warm engine (the default), and with FLWR_VERL_FAULT_ENGINES=warm,cold every
     node cold after it: each fault below runs on each."""
@@ -679,6 +680,7 @@ def test_the_progress_line_and_the_summary_tell_the_story():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("secagg-threshold-deployment")  # its own SuperLink and SuperNodes
 def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_threshold(tmp_path):
     """Real processes: 3 SuperNodes under SecAgg+ (reconstruction threshold 2), two of them with a
     node budget below one round. They leave the round instead of taking part with weight 0, so

@@ -60,6 +60,7 @@ def poisoning_app(root: Path) -> Path:
     return app
 
 
+@pytest.mark.xdist_group("malicious-poisoning")  # each test has its own deployment
 def test_a_node_that_poisons_its_masked_upload_fails_the_round_and_saves_nothing(tmp_path):
     out = tmp_path / "out"
     with local_deployment(tmp_path / "fl", num_supernodes=3) as deployment:
@@ -77,6 +78,7 @@ def test_a_node_that_poisons_its_masked_upload_fails_the_round_and_saves_nothing
     assert [r["round"] for r in records(run_dir) if "fit" in r] == [], records(run_dir)
 
 
+@pytest.mark.xdist_group("malicious-identity")
 def test_a_node_that_claims_another_nodes_client_id_is_refused_before_round_1(tmp_path):
     out = tmp_path / "out"
     with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={2: {"client-id": "1"}}) as deployment:

@@ -72,6 +72,7 @@ def simulate(env: dict, root, config: dict):
         kill_tree_with_env(env["FLWR_HOME"])
 
 
+@pytest.mark.xdist_group("simulation-damaged-resume")  # its own simulation, not the module's
 def test_resume_with_only_a_damaged_checkpoint_refuses_before_any_client_trains(tmp_path):
     """Round 1 saved, then its state file torn and metrics.jsonl's last line torn: `flwr run`
     with resume=true refuses, naming the file and the ways on, and no client trains: every byte
