@@ -57,7 +57,7 @@ def child(variant: str, overrides: list[str], warmup: int, iterations: int) -> d
     from flwr_verl.embedded import embedded_model_path
     from flwr_verl.engine.data import load_rows
     from flwr_verl.engine.trainer import LocalPPOTrainer
-    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.config_files import read_run_config
 
     embedded_model_path()  # check the shipped model's files now, not inside the measurement
     config = parse_run_config({**read_run_config(None, overrides), **VARIANTS[variant]}).engine

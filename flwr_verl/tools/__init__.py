@@ -1,5 +1,6 @@
 """Command lines and helpers on top of the library: ``flwr-verl`` (``cli``: check a config, read a
-node's ledger), the centralized baseline (``baseline``), the privacy audit (``audit``), serving a
+node's ledger), what the command lines read (``config_files``: a TOML file and ``--set``
+overrides), the centralized baseline (``baseline``), the privacy audit (``audit``), serving a
 run's policy with the de-identification filter (``serving``) and the SmolLM2 model builder
 (``smollm2``).
 """
@@ -14,9 +15,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "train_planted": "audit",
     "Record": "baseline",
     "format_record": "baseline",
-    "parse_overrides": "baseline",
     "pooled_rows": "baseline",
-    "read_run_config": "baseline",
     "run_baseline": "baseline",
     "APP_DIR": "cli",
     "COMPLETED": "cli",
@@ -28,6 +27,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "run": "cli",
     "run_config_args": "cli",
     "run_status": "cli",
+    "parse_overrides": "config_files",
+    "read_run_config": "config_files",
     "deidentified_generation": "serving",
     "BuildError": "smollm2",
     "GGUF_FILE": "smollm2",

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     """``flwr-verl-audit``: train once with canaries planted and print the epsilon lower bound
     beside the claimed epsilon; the result is appended to ``--out`` as one JSON line."""
     from flwr_verl.federation.run_config import load_run_config
-    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.config_files import read_run_config
     from flwr_verl.tools.cli import APP_DIR, EXIT_INVALID, app_defaults
 
     parser = argparse.ArgumentParser(prog="flwr-verl-audit", description=main.__doc__)

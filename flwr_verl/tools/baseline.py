@@ -32,10 +32,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-import click
-from flwr.common.config import flatten_dict, parse_config_args
-
 from flwr_verl.config import ConfigError, EngineConfig
+from flwr_verl.tools.config_files import read_run_config
 from flwr_verl.engine.data import DataError, Row, load_rows
 from flwr_verl.engine.models import ModelLoadError
 from flwr_verl.engine.rewards import RewardError
@@ -44,35 +42,6 @@ from flwr_verl.federation.run_config import load_run_config
 from flwr_verl.privacy.dpsgd import PrivacyAccount, noise_for_target_epsilon, sample_rate
 
 Record = dict[str, Any]
-
-
-# ----------------------------------------------------------------------------- run config
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``key=value`` items, each parsed as ``flwr run --run-config`` parses it (so a value means
-    the same here as in the federation): a TOML literal, ``3``, ``1e-3``, ``true``, ``"gae"``."""
-    values: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:  # Flower would read a lone "x.toml" as a file and ignore anything else
-            raise ConfigError(f"--set {item!r} is invalid: expected key=value")
-        try:
-            parsed = parse_config_args([item])
-        except (click.ClickException, OSError) as error:
-            raise ConfigError(f"--set {item!r} is invalid: the value must be a TOML literal "
-                              f"(a number, true/false, or a quoted string: key='text')") from error
-        if not parsed:  # Flower's pattern found no key=value pair, e.g. spaces around "="
-            raise ConfigError(f"--set {item!r} is invalid: expected key=value, no spaces around '='")
-        values.update(parsed)
-    return values
-
-
-def read_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
-    """Flat run config from a TOML file (if any) and ``key=value`` overrides."""
-    values: dict[str, Any] = {}
-    if path:
-        with open(path, "rb") as handle:
-            document = tomllib.load(handle)
-        values = flatten_dict(document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document))
-    return {**values, **parse_overrides(overrides)}
 
 
 # ----------------------------------------------------------------------------- the run

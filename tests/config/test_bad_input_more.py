@@ -168,7 +168,7 @@ def test_flwr_verl_run_passes_flower_a_run_config_it_accepts(profiles, tmp_path,
     as one run config, parsed by Flower's own parser into what check-config validated."""
     from flwr.common.config import parse_config_args
 
-    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.config_files import read_run_config
     from flwr_verl.tools.cli import run_config_args
 
     args = run_config_args(str(profiles[0]), overrides, tmp_path)

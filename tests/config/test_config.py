@@ -70,7 +70,7 @@ def test_directory_that_is_not_a_causal_lm_is_a_model_load_error(tmp_path):
 
 # ----------------------------------------------------------------------------- the baseline's run config
 def test_baseline_reads_flat_nested_and_pyproject_toml(tmp_path):
-    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.config_files import read_run_config
 
     nested = tmp_path / "nested.toml"
     nested.write_text('num-server-rounds = 2\n[actor]\nlr = 5e-4\n[algorithm.kl_ctrl]\ntype = "fixed"\n')
@@ -85,7 +85,7 @@ def test_baseline_reads_flat_nested_and_pyproject_toml(tmp_path):
 
 
 def test_baseline_overrides_are_toml_literals():
-    from flwr_verl.tools.baseline import read_run_config
+    from flwr_verl.tools.config_files import read_run_config
 
     values = read_run_config(None, ["rollout.n=8", "actor.lr=1e-4", "privacy.enabled=false",
                                     "algorithm.adv_estimator='rloo'", 'model.path="/models/x y"'])
