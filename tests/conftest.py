@@ -62,7 +62,7 @@ def reward_model_dirs(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Scheduling for the README's ``-n 4 --dist loadgroup``. A test file is one xdist group, so a
+    """Scheduling for the README's ``-n 4 --dist loadgroup --no-loadscope-reorder``. A test file is one xdist group, so a
     module fixture (a shared deployment or simulation) runs once; a test that starts its own real
     processes, and each engine's half of a module parametrized over engines, name a group of their
     own (``pytest.mark.xdist_group``) and run beside the rest of their file. Real-process tests
