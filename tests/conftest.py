@@ -62,13 +62,13 @@ def reward_model_dirs(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Scheduling for the README's ``-n 4 --dist loadgroup --no-loadscope-reorder``. A test file is one xdist group, so a
-    module fixture (a shared deployment or simulation) runs once; a test that starts its own real
-    processes, and each engine's half of a module parametrized over engines, name a group of their
-    own (``pytest.mark.xdist_group``) and run beside the rest of their file. Real-process tests
-    spend much of their time in Flower's polls and timeouts, so four workers share two cores well.
-    Groups with real Flower processes run first (each keeps its own order): a long group starting
-    last would run alone at the end."""
+    """Scheduling for the README's ``-n 4 --dist loadgroup --no-loadscope-reorder``. A test file is
+    one xdist group, so a module fixture (a shared deployment or simulation) runs once; a test that
+    starts its own real processes, and each engine's half of a module parametrized over engines,
+    name a group of their own (``pytest.mark.xdist_group``) and run beside the rest of their file.
+    Four workers: while one waits on Flower's polls, others compute. Groups with real Flower
+    processes run first (each keeps its own order): a long group starting last would run alone at
+    the end."""
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -33,13 +33,13 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from flwr_verl.config import ConfigError, EngineConfig
-from flwr_verl.tools.config_files import read_run_config
 from flwr_verl.engine.data import DataError, Row, load_rows
 from flwr_verl.engine.models import ModelLoadError
 from flwr_verl.engine.rewards import RewardError
 from flwr_verl.engine.trainer import LocalPPOTrainer
 from flwr_verl.federation.run_config import load_run_config
 from flwr_verl.privacy.dpsgd import PrivacyAccount, noise_for_target_epsilon, sample_rate
+from flwr_verl.tools.config_files import read_run_config
 
 Record = dict[str, Any]
 

@@ -63,8 +63,8 @@ import tomli_w
 from flwr.common.config import flatten_dict
 
 from flwr_verl.config import ConfigError
-from flwr_verl.tools.config_files import read_run_config
 from flwr_verl.federation.run_config import load_run_config
+from flwr_verl.tools.config_files import read_run_config
 
 # The Flower app this package ships with: the repository's pyproject.toml (a source checkout or
 # an editable install). Elsewhere pass --app.
