@@ -249,6 +249,35 @@ def test_the_server_refuses_a_round_with_more_clients_than_the_bits_hold_before_
         strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(500)))
 
 
+def test_a_sampled_round_splits_the_noise_over_the_fewest_survivors_and_accounts_the_sampling_rate():
+    """300 organisations, 10% sampled a round (min-fit-clients 30): each round a fresh uniform
+    sample of 30; every client is told to add 1/20 of the accounted variance (at least 20 of 30
+    survive SecAgg+'s default 3 shares and threshold 2, not 2), and the round is accounted at q = 0.1."""
+    import random
+
+    from flwr.common import ndarrays_to_parameters
+
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import FitConfig, SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
+
+    initial = [np.zeros(64)]
+    federation = FederationConfig(fraction_fit=0.1, min_fit_clients=30, min_available_clients=300)
+    strategy = FedProxAdapters(federation, initial, local_iterations=1, secure_aggregation=SecAggBounds(1, 64),
+                               client_level=CONFIG)
+    manager = InProcessClients.named(range(300), rng=random.Random(0))
+    sampled = []
+    for server_round in (1, 2):
+        instructions = strategy.configure_fit(server_round, ndarrays_to_parameters(initial), manager)
+        sampled.append({proxy.cid for proxy, _ in instructions})
+        told = {FitConfig.from_config(dict(ins.config)).client_level for _, ins in instructions}
+        assert len(sampled[-1]) == 30 and {(t.num_clients, t.min_survivors) for t in told} == {(30, 20)}
+    assert sampled[0] != sampled[1]  # a fresh random sample each round, as Flower's client manager draws
+    plan, rate = strategy._round_plan
+    assert rate == pytest.approx(0.1) and plan.client_variance == pytest.approx(plan.central_variance / 20)
+
+
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
 CLIENTS = 3
 PHASE_CONFIG = {"enabled": True, "clip_norm": 0.5, "noise_multiplier": 0.5, "bits": 24, "rotation": True}
