@@ -160,14 +160,15 @@ def utility(args) -> dict:
     eval_rows = harness.validation_problems(args.eval_size)
     sampled = max(int(args.clients * args.fraction_fit), SECAGG.num_shares)  # as the strategy samples
     data = {"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0}
-    train_rows = [load_rows(engine_config(data=data).data, "train", args.seed, i, args.clients)
+    actor = {"ppo_mini_batch_size": args.train_batch_size}  # one minibatch a local iteration
+    train_rows = [load_rows(engine_config(data=data, actor=actor).data, "train", args.seed, i, args.clients)
                   for i in range(args.clients)]  # the same prompts in every arm
 
     def run(client_level: dict | None) -> dict:
         privacy = {"enabled": False, "deterministic": True}
         if client_level:
             privacy.update({f"client_level.{k}": v for k, v in client_level.items()}, **{"client_level.enabled": True})
-        config = engine_config(data=data, actor={"ppo_mini_batch_size": args.train_batch_size}, privacy=privacy,
+        config = engine_config(data=data, actor=actor, privacy=privacy,
                                trainer={"seed": args.seed, "local_iterations": args.local_iterations})
         models = build_models(config.model, config.needs_critic, seed=args.seed)
         clients = {str(i): VerlClient(config, rows, [], partition_id=i, models=models)
