@@ -178,9 +178,9 @@ def client_level_dp_rows(organisations: int) -> tuple[list[dict], dict]:
     for target in args.epsilons:
         arm = arms[f"epsilon_{target:g}"]
         accuracy = arm["accuracy_per_round"][-1]
+        gain_kept = (accuracy - before) / (clear - before) if clear > before else None  # None: no gain to keep
         rows.append({"organisations": organisations, "epsilon": target, "accuracy": accuracy,
-                     "gain": accuracy - before, "gain_kept": (accuracy - before) / (clear - before) if clear > before
-                     else None,  # no gain to keep "noise_multiplier": arm["noise_multiplier"],
+                     "gain": accuracy - before, "gain_kept": gain_kept, "noise_multiplier": arm["noise_multiplier"],
                      "epsilon_spent": arm["epsilon_client_level"]})
     for row in rows:
         row["accuracy_round_0"] = before
@@ -213,18 +213,23 @@ def main() -> None:
                          "needs; allowed: 30 or more")
     result: dict = {"command": harness.command_line(), "simulation": [], "client_level_dp": [], "details": {}}
     start = time.perf_counter()
+
+    def save() -> None:  # after every measurement: a later failure keeps what was measured
+        result["seconds"] = time.perf_counter() - start
+        harness.write_json(args.out, result)
+
     for supernodes in [] if args.skip_simulation else args.supernodes:  # first: this process still holds no torch
         row = simulate(supernodes, args.rounds, args.timeout)
         report_simulation(row)
         result["simulation"].append(row)
+        save()
     for organisations in [] if args.skip_client_level_dp else args.organisations:
         rows, details = client_level_dp_rows(organisations)
         report_client_level_dp(rows, details["seconds"])
         result["client_level_dp"] += rows
         result["details"][f"client_level_dp_{organisations}"] = details
-    result["seconds"] = time.perf_counter() - start
+        save()
     print(f"{result['seconds']:.0f} s")
-    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":
