@@ -4,7 +4,8 @@ held-out accuracy it leaves at a target client-level epsilon.
 
 Goal: the discretisation costs nothing measurable; the accuracy has no target set.
 
-    python benchmarks/client_level_dp.py [--dim 29696] [--clients 3] [--trials 5] [--utility] [--out DIR]
+    python benchmarks/client_level_dp.py [--dim 29696] [--clients 3] [--trials 5] [--utility]
+        [--fraction-fit 1] [--train-size 256] [--train-batch-size 16] [--local-iterations 4] [--out DIR]
 
 Two measurements, each printed and written to ``--out/client_level_dp.json``:
 
@@ -19,19 +20,25 @@ Two measurements, each printed and written to ``--out/client_level_dp.json``:
    mechanism at the same noise (the privacy price of discreteness).
 2. ``utility`` (``--utility``, minutes): held-out greedy accuracy of the embedded task after
    ``--rounds`` rounds of ``--clients`` in-process ``VerlClient``s (per-prompt DP off, to isolate
-   the client-level mechanism) under client-level DP at epsilon 1, 4 and 10 (delta 1e-5,
-   fraction-fit 1, so q = 1 and no sampling approximation), and without it. The real client and
-   strategy code runs, with ``inprocess.fit_round(secure=True)`` in place of Flower's transport.
-   The clipping norm is the median norm of the non-private clients' round-1 updates (training
-   data only); the noise multiplier is the smallest that keeps epsilon within the target over the
-   planned rounds. Accuracy is on the task's validation problems, disjoint from every client's
-   training problems (``embedded.split_problems``). Two more arms run the same pipeline at the
-   small fixed noise multipliers ``--noises`` (their epsilon is reported, huge): the mechanism's
-   cost without the noise that the epsilon targets need.
+   the client-level mechanism; each with ``--train-size`` prompts in batches of
+   ``--train-batch-size``) under client-level DP at epsilon 1, 4 and 10 (delta 1e-5), and without
+   it. Each round samples ``--fraction-fit`` of the clients uniformly at random (default 1: q = 1,
+   no sampling approximation; below 1 the rounds are accounted as Poisson sampling at that rate,
+   ``distributed_dp``). The real client and strategy code runs, with
+   ``inprocess.fit_round(secure=True)`` in place of Flower's transport, and SecAgg+'s default
+   3 shares and threshold 2 set the fewest survivors each client's noise share assumes
+   (``secagg.fewest_survivors``). The clipping norm is the median norm of the non-private
+   clients' round-1 updates (training data only); the noise multiplier is the smallest that
+   keeps epsilon within the target over the planned rounds. Accuracy is on the task's validation
+   problems, disjoint from every client's training problems (``embedded.split_problems``). Two
+   more arms run the same pipeline at the small fixed noise multipliers ``--noises`` (their
+   epsilon is reported, huge): the mechanism's cost without the noise that the epsilon targets
+   need. ``benchmarks/scale.py`` runs this at 30, 100 and 300 clients.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import time
@@ -40,12 +47,18 @@ from pathlib import Path
 import harness  # first: puts this checkout on sys.path
 import numpy as np
 
-from flwr_verl.config import ClientLevelConfig
+from flwr_verl.config import ClientLevelConfig, SecAggConfig
+from flwr_verl.federation.secagg import fewest_survivors
 from flwr_verl.privacy import distributed_dp as ddp
 
 harness.quiet()
-THRESHOLD = 2  # secagg.reconstruction-threshold's default
+SECAGG = SecAggConfig()  # its default shares and reconstruction threshold decide the fewest survivors
 DELTA = 1e-5
+
+
+def survivors(clients: int) -> int:
+    """The fewest of ``clients`` sampled clients whose noise SecAgg+'s aggregate holds."""
+    return fewest_survivors(clients, SECAGG.num_shares, SECAGG.reconstruction_threshold)
 
 
 # ----------------------------------------------------------------------------- 1. discretisation
@@ -76,7 +89,7 @@ def discretisation(args) -> list[dict]:
             config = ClientLevelConfig(enabled=True, clip_norm=args.clip, noise_multiplier=args.noise,
                                        bits=bits, rotation=rotation)
             try:
-                plan = ddp.plan_round(config, args.dim, args.clients, THRESHOLD)
+                plan = ddp.plan_round(config, args.dim, args.clients, survivors(args.clients))
             except Exception as error:  # noqa: BLE001 - a refused width is a result
                 rows.append({"bits": bits, "rotation": rotation, "refused": str(error)})
                 continue
@@ -111,12 +124,14 @@ def discretisation(args) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- 2. utility
-def noise_for_epsilon(config: ClientLevelConfig, dim: int, clients: int, rounds: int, target: float) -> float:
-    """The smallest noise multiplier whose ``rounds`` rounds at q = 1 stay within ``target``."""
+def noise_for_epsilon(config: ClientLevelConfig, dim: int, sampled: int, rate: float, rounds: int,
+                      target: float) -> float:
+    """The smallest noise multiplier whose ``rounds`` rounds of ``sampled`` clients at sampling
+    rate ``rate`` stay within ``target``."""
     def epsilon(noise: float) -> float:
-        plan = ddp.plan_round(ClientLevelConfig(**{**config.__dict__, "noise_multiplier": noise}), dim, clients,
-                              THRESHOLD)
-        account = ddp.ClientLevelAccount([(plan.central_variance, plan.l1_sensitivity, plan.l2_sensitivity, 1.0,
+        plan = ddp.plan_round(ClientLevelConfig(**{**config.__dict__, "noise_multiplier": noise}), dim, sampled,
+                              survivors(sampled))
+        account = ddp.ClientLevelAccount([(plan.central_variance, plan.l1_sensitivity, plan.l2_sensitivity, rate,
                                            rounds)])
         return account.epsilon(DELTA)
 
@@ -128,10 +143,12 @@ def noise_for_epsilon(config: ClientLevelConfig, dim: int, clients: int, rounds:
 
 
 def utility(args) -> dict:
+    import random
+
     import torch
     from flwr.common import parameters_to_ndarrays
 
-    from flwr_verl.config import FederationConfig, SecAggConfig, engine_config
+    from flwr_verl.config import FederationConfig, engine_config
     from flwr_verl.engine.data import load_rows
     from flwr_verl.engine.models import build_models
     from flwr_verl.federation.client import VerlClient
@@ -141,23 +158,28 @@ def utility(args) -> dict:
 
     torch.set_num_threads(1)
     eval_rows = harness.validation_problems(args.eval_size)
+    sampled = max(int(args.clients * args.fraction_fit), SECAGG.num_shares)  # as the strategy samples
+    data = {"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0}
+    actor = {"ppo_mini_batch_size": args.train_batch_size}  # one minibatch a local iteration
+    train_rows = [load_rows(engine_config(data=data, actor=actor).data, "train", args.seed, i, args.clients)
+                  for i in range(args.clients)]  # the same prompts in every arm
 
     def run(client_level: dict | None) -> dict:
         privacy = {"enabled": False, "deterministic": True}
         if client_level:
             privacy.update({f"client_level.{k}": v for k, v in client_level.items()}, **{"client_level.enabled": True})
-        config = engine_config(data={"train_size": args.train_size, "train_batch_size": 16, "val_size": 0},
-                               actor={"ppo_mini_batch_size": 16}, privacy=privacy,
+        config = engine_config(data=data, actor=actor, privacy=privacy,
                                trainer={"seed": args.seed, "local_iterations": args.local_iterations})
         models = build_models(config.model, config.needs_critic, seed=args.seed)
-        clients = {str(i): VerlClient(config, load_rows(config.data, "train", args.seed, i, args.clients), [],
-                                      partition_id=i, models=models) for i in range(args.clients)}
-        federation = FederationConfig(min_fit_clients=args.clients, min_available_clients=args.clients,
-                                      num_server_rounds=args.rounds, proximal_mu=0.0,
-                                      secagg=SecAggConfig(enabled=bool(client_level)))
+        clients = {str(i): VerlClient(config, rows, [], partition_id=i, models=models)
+                   for i, rows in enumerate(train_rows)}
+        federation = FederationConfig(fraction_fit=args.fraction_fit, min_fit_clients=sampled,
+                                      min_available_clients=args.clients, num_server_rounds=args.rounds,
+                                      proximal_mu=0.0, secagg=dataclasses.replace(SECAGG, enabled=bool(client_level)))
         strategy = FedProxAdapters(federation, models.adapters.get_arrays(), local_iterations=args.local_iterations,
                                    secure_aggregation=SecAggBounds(1.0, 4096.0) if client_level else None,
                                    client_level=config.privacy.client_level if client_level else None)
+        manager = InProcessClients(clients, rng=random.Random(args.seed))  # the same samples in every arm
 
         def accuracy() -> float:
             models.adapters.set_arrays(strategy.global_arrays)
@@ -165,7 +187,7 @@ def utility(args) -> dict:
 
         curve, norms, start = [accuracy()], [], time.perf_counter()
         for server_round in range(1, args.rounds + 1):
-            results, metrics = fit_round(strategy, InProcessClients(clients), server_round, secure=bool(client_level))
+            results, metrics = fit_round(strategy, manager, server_round, secure=bool(client_level))
             if server_round == 1 and not client_level:
                 norms = [float(np.linalg.norm(np.concatenate([a.ravel() for a in parameters_to_ndarrays(r.parameters)])))
                          for _, r in results]
@@ -179,7 +201,7 @@ def utility(args) -> dict:
     arms = {"no_client_level_dp": baseline}
     for target in args.epsilons:
         base = ClientLevelConfig(enabled=True, clip_norm=clip, bits=args.utility_bits)
-        noise = noise_for_epsilon(base, dim, args.clients, args.rounds, target)
+        noise = noise_for_epsilon(base, dim, sampled, sampled / args.clients, args.rounds, target)
         arm = run({"clip_norm": clip, "noise_multiplier": noise, "bits": args.utility_bits})
         arms[f"epsilon_{target:g}"] = {**arm, "noise_multiplier": noise, "clip_norm": clip}
         print(f"  epsilon {target:g}: noise {noise:.3f}, spent {arm['epsilon_client_level']:.3f}, "
@@ -187,11 +209,13 @@ def utility(args) -> dict:
     for noise in args.noises:  # the same pipeline at little noise: what the mechanism costs without the noise
         arm = run({"clip_norm": clip, "noise_multiplier": noise, "bits": args.utility_bits})
         arms[f"noise_{noise:g}"] = {**arm, "noise_multiplier": noise, "clip_norm": clip}
-    return {"clients": args.clients, "rounds": args.rounds, "local_iterations": args.local_iterations,
-            "fraction_fit": 1.0, "delta": DELTA, "eval_problems": len(eval_rows), "dim": dim, "arms": arms}
+    return {"clients": args.clients, "sampled_per_round": sampled, "fewest_survivors": survivors(sampled),
+            "rounds": args.rounds, "local_iterations": args.local_iterations, "train_size": args.train_size,
+            "train_batch_size": args.train_batch_size, "fraction_fit": args.fraction_fit, "delta": DELTA,
+            "eval_problems": len(eval_rows), "dim": dim, "arms": arms}
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = harness.argument_parser(__doc__)
     parser.add_argument("--dim", type=int, default=29696, help="parameters per update (default: a LoRA r=8 size)")
     parser.add_argument("--clients", type=int, default=3)
@@ -206,14 +230,22 @@ def main() -> None:
                         help="also these fixed client-level noise multipliers (their epsilon is reported)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--local-iterations", type=int, default=4)
-    parser.add_argument("--train-size", type=int, default=256)
+    parser.add_argument("--train-size", type=int, default=256, help="prompts per client")
+    parser.add_argument("--train-batch-size", type=int, default=16, help="prompts per local iteration")
+    parser.add_argument("--fraction-fit", type=float, default=1.0,
+                        help="share of the clients sampled each round, uniformly at random (1: all)")
     parser.add_argument("--eval-size", type=int, default=128)
     parser.add_argument("--utility-bits", type=int, default=20)
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
 
     payload: dict = {"command": harness.command_line(), "clients": args.clients, "dim": args.dim,
-                     "threshold": THRESHOLD, "clip_norm": args.clip, "noise_multiplier": args.noise}
+                     "fewest_survivors": survivors(args.clients), "clip_norm": args.clip,
+                     "noise_multiplier": args.noise}
     payload["discretisation"] = discretisation(args)
     print(f"discretisation: {args.clients} clients, {args.dim} parameters, C={args.clip}, z={args.noise}, "
           f"{args.trials} trials (RMS error vs the exact clipped mean; median [min, max])")
@@ -228,7 +260,8 @@ def main() -> None:
               f"eps(10 rounds) skellam {row['epsilon_10_rounds_skellam']:.3f} "
               f"gaussian {row['epsilon_10_rounds_gaussian']:.3f}")
     if args.utility:
-        print(f"utility: {args.clients} clients, {args.rounds} rounds x {args.local_iterations} local iterations")
+        print(f"utility: {args.clients} clients, {args.fraction_fit:g} of them a round, {args.rounds} rounds x "
+              f"{args.local_iterations} local iterations of {args.train_batch_size} of {args.train_size} prompts")
         payload["utility"] = utility(args)
         for name, arm in payload["utility"]["arms"].items():
             spent = arm["epsilon_client_level"]

@@ -130,39 +130,57 @@ def rss_mib() -> float:
 
 class RssSampler:
     """Peak RSS of this process and of all its descendants, sampled every ``interval`` s, over
-    spans marked by ``begin`` and ``end``."""
+    spans marked by ``begin`` and ``end``. With ``kind_of`` (a ``psutil.Process`` -> a name for its
+    kind, e.g. "superlink"), ``end`` also splits the peak by kind (the resident set and process
+    count of each kind at the moment of the overall peak) and sums each kind's CPU seconds (of
+    every process sampled in the span, since that process started, as last sampled)."""
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, kind_of: Callable[[Any], str] | None = None) -> None:
         import psutil
 
         self._psutil = psutil
         self.me = psutil.Process()
         self.interval = interval
+        self.kind_of = kind_of
         self.procs: list = []
         self.peak_self = self.peak_all = 0
+        self.peak_by_kind: dict[str, list[int]] = {}  # kind -> [bytes, processes] at the overall peak
+        self._kinds: dict[int, str] = {}  # pid -> kind, looked up once per process
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds when last sampled)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._refreshed = 0.0
 
-    def _sample(self) -> tuple[int, int]:
+    def _sample(self) -> tuple[int, int, dict[str, list[int]]]:
         now = time.monotonic()
         if now - self._refreshed > 2.0:  # listing descendants is slow; they change rarely
             with contextlib.suppress(self._psutil.Error):
                 self.procs = self.me.children(recursive=True)
             self._refreshed = now
-        own = self.me.memory_info().rss
-        total = own
-        for proc in self.procs:
+        own = total = 0
+        by_kind: dict[str, list[int]] = {}
+        for proc in [self.me, *self.procs]:
             with contextlib.suppress(self._psutil.Error):
-                total += proc.memory_info().rss
-        return own, total
+                rss = proc.memory_info().rss
+                total += rss
+                own = rss if proc is self.me else own
+                if self.kind_of is not None:
+                    kind = self._kinds.get(proc.pid) or self._kinds.setdefault(proc.pid, self.kind_of(proc))
+                    entry = by_kind.setdefault(kind, [0, 0])
+                    entry[0] += rss
+                    entry[1] += 1
+                    cpu = proc.cpu_times()
+                    self._cpu[proc.pid] = (kind, cpu.user + cpu.system)
+        return own, total, by_kind
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            own, total = self._sample()
+            own, total, by_kind = self._sample()
             with self._lock:
-                self.peak_self, self.peak_all = max(self.peak_self, own), max(self.peak_all, total)
+                if total > self.peak_all:
+                    self.peak_all, self.peak_by_kind = total, by_kind
+                self.peak_self = max(self.peak_self, own)
 
     def start(self) -> RssSampler:
         self._thread.start()
@@ -170,16 +188,26 @@ class RssSampler:
 
     def begin(self) -> dict:
         self._refreshed = 0.0
-        own, total = self._sample()
+        own, total, by_kind = self._sample()
         with self._lock:
-            self.peak_self, self.peak_all = own, total
+            self.peak_self, self.peak_all, self.peak_by_kind = own, total, by_kind
+            self._cpu = {}
         return {"self": own, "all": total}
 
     def end(self, before: dict) -> dict:
         with self._lock:
             peak_self, peak_all = self.peak_self, self.peak_all
-        return {"server_peak_mib": peak_self / MIB, "server_rise_mib": (peak_self - before["self"]) / MIB,
-                "all_peak_mib": peak_all / MIB, "all_rise_mib": (peak_all - before["all"]) / MIB}
+            peak_by_kind, cpu = dict(self.peak_by_kind), dict(self._cpu)
+        figures = {"server_peak_mib": peak_self / MIB, "server_rise_mib": (peak_self - before["self"]) / MIB,
+                   "all_peak_mib": peak_all / MIB, "all_rise_mib": (peak_all - before["all"]) / MIB}
+        if self.kind_of is not None:
+            figures["all_peak_by_kind"] = {kind: {"mib": rss / MIB, "processes": count}
+                                           for kind, (rss, count) in sorted(peak_by_kind.items())}
+            cpu_by_kind: dict[str, float] = {}
+            for kind, seconds in cpu.values():
+                cpu_by_kind[kind] = cpu_by_kind.get(kind, 0.0) + seconds
+            figures["cpu_seconds_by_kind"] = dict(sorted(cpu_by_kind.items()))
+        return figures
 
     def stop(self) -> None:
         self._stop.set()

@@ -77,14 +77,14 @@ def client_output(spec: dict, partition_id: int, parameters: list[np.ndarray], u
 
 
 def client_level_output(spec: dict, phase_config: dict, partition_id: int, server_round: int, num_clients: int,
-                        threshold: int) -> list[np.ndarray]:
+                        min_survivors: int) -> list[np.ndarray]:
     """The fixed update encoded for client-level DP (``distributed_dp.encode_update``), with noise
     seeded by (seed, round, partition): a test recomputes exactly what each client handed SecAgg+."""
     from flwr_verl.config import ClientLevelConfig
     from flwr_verl.privacy.distributed_dp import encode_update, plan_round
 
     update = fixed_update(spec, partition_id)
-    plan = plan_round(ClientLevelConfig(**phase_config), sum(a.size for a in update), num_clients, threshold)
+    plan = plan_round(ClientLevelConfig(**phase_config), sum(a.size for a in update), num_clients, min_survivors)
     return encode_update(update, plan, server_round, np.random.default_rng([spec["seed"], server_round, partition_id]))
 
 
@@ -112,7 +112,7 @@ class FixedUpdateClient(NumPyClient):
             num_examples = 1  # the weight SecAgg+ is set up for (distributed_dp.integer_secagg_parameters)
             update = client_level_output(spec, json.loads(str(config["client_level_config"])), self.partition_id,
                                          instructions.server_round, instructions.client_level.num_clients,
-                                         instructions.client_level.threshold)
+                                         instructions.client_level.min_survivors)
         else:
             update = client_output(spec, self.partition_id, parameters, str(config["update_format"]),
                                    str(config["update_dtype"]))

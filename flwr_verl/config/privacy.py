@@ -22,7 +22,7 @@ class ClientLevelConfig:
 
     enabled: bool = False
     clip_norm: float = 0.1  # L2 bound on one client's whole update (every adapter array together)
-    noise_multiplier: float = 1.0  # std of the summed noise / clip_norm, with the threshold number of survivors
+    noise_multiplier: float = 1.0  # std of the summed noise / clip_norm, with the fewest survivors SecAgg+ allows
     bits: int = 20  # modular range 2**bits of each coordinate of the sum (at most 30: Flower rounds through int32)
     rotation: bool = True  # randomized Hadamard transform, seeded by the round: fewer bits for the same error
     delta: float = 1e-5

@@ -343,7 +343,7 @@ class VerlClient(NumPyClient):
             raise ConfigError("privacy.client_level.enabled=true, but the server's round is not a client-level DP "
                               "round under SecAgg+; the update is not sent")
         return plan_round(self.config.privacy.client_level, sum(a.size for a in parameters),
-                          instructions.client_level.num_clients, instructions.client_level.threshold)
+                          instructions.client_level.num_clients, instructions.client_level.min_survivors)
 
     def _spend_client_level(self, plan: SkellamPlan, server_round: int) -> None:
         """Record the round's client-level spend in the node's ledger before training, or leave

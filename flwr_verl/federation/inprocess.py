@@ -15,6 +15,8 @@ isolation) is measured and tested with real Flower processes instead.
 
 from __future__ import annotations
 
+import random
+
 from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.criterion import Criterion
@@ -34,16 +36,19 @@ class InProcessProxy(ClientProxy):
 class InProcessClients:
     """The part of Flower's ``ClientManager`` that ``FedProxAdapters`` uses, over clients that live
     in this process (any objects with the ``NumPyClient`` methods, keyed by cid). Every client is
-    always available, so nothing ever waits."""
+    always available, so nothing ever waits. ``rng``: sample as Flower does, uniformly at random
+    (needed below fraction-fit 1, where privacy amplification by sampling assumes a random
+    sample); None: the first clients in cid order, deterministic."""
 
-    def __init__(self, clients: dict[str, object]) -> None:
+    def __init__(self, clients: dict[str, object], rng: random.Random | None = None) -> None:
         self.clients = dict(clients)
         self.proxies = {cid: InProcessProxy(cid) for cid in self.clients}
+        self.rng = rng
 
     @classmethod
-    def named(cls, cids) -> InProcessClients:
+    def named(cls, cids, rng: random.Random | None = None) -> InProcessClients:
         """Clients known by name only: enough for the strategy's sampling decisions."""
-        return cls({str(cid): None for cid in cids})
+        return cls({str(cid): None for cid in cids}, rng)
 
     def num_available(self) -> int:
         return len(self.proxies)
@@ -56,9 +61,11 @@ class InProcessClients:
 
     def sample(self, num_clients: int, min_num_clients: int | None = None,
                criterion: Criterion | None = None) -> list[ClientProxy]:
-        """The first ``num_clients`` eligible clients, in cid order (deterministic, unlike Flower's)."""
+        """``num_clients`` eligible clients: a uniform sample with ``rng``, else the first in cid order."""
         eligible = [p for p in self.proxies.values() if criterion is None or criterion.select(p)]
-        return eligible[:num_clients] if len(eligible) >= num_clients else []
+        if len(eligible) < num_clients:
+            return []
+        return self.rng.sample(eligible, num_clients) if self.rng else eligible[:num_clients]
 
 
 def fit_round(strategy: FedProxAdapters, manager: InProcessClients, server_round: int,

@@ -55,11 +55,12 @@ class SecAggBounds:
 @dataclass(frozen=True)
 class ClientLevelRound:
     """What a client needs, beyond its own ``privacy.client_level`` config, to encode its update for
-    client-level DP (``distributed_dp.plan_round``): the round's number of sampled clients and
-    SecAgg+'s reconstruction threshold. The rotation's seed is the round number."""
+    client-level DP (``distributed_dp.plan_round``): the round's number of sampled clients and the
+    fewest of them whose noise an unmasked aggregate holds (``secagg.fewest_survivors``, from
+    SecAgg+'s shares and reconstruction threshold). The rotation's seed is the round number."""
 
     num_clients: int
-    threshold: int
+    min_survivors: int
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class FitConfig:
             config.update(secagg_clipping_range=self.secagg.clipping_range, secagg_max_weight=self.secagg.max_weight)
         if self.client_level is not None:
             config.update(client_level_num_clients=self.client_level.num_clients,
-                          client_level_threshold=self.client_level.threshold)
+                          client_level_min_survivors=self.client_level.min_survivors)
         if self.sparse is not None:
             config.update(sparse_density=self.sparse.density, sparse_seed=self.sparse.seed)
         return config
@@ -113,7 +114,7 @@ class FitConfig:
             proximal_mu=_read(config, "proximal_mu", float),
             secagg=secagg, fail_partition=_read(config, "fail_partition", int),
             client_level=ClientLevelRound(_read(config, "client_level_num_clients", int),
-                                          _read(config, "client_level_threshold", int))
+                                          _read(config, "client_level_min_survivors", int))
             if "client_level_num_clients" in config else None,
             normalize_update=_read(config, "normalize_update", bool, False),
             sparse=SparseRound(_read(config, "sparse_density", float), _read(config, "sparse_seed", int))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from flwr_verl.config import RunConfig, parse_run_config
-from flwr_verl.federation.secagg import derive_parameters
+from flwr_verl.federation.secagg import derive_parameters, fewest_survivors
 from flwr_verl.privacy.distributed_dp import plan_round
 
 
@@ -31,6 +31,7 @@ def load_run_config(run_config: dict[str, Any]) -> RunConfig:
     if client_level.enabled:
         # The bit width against the fewest clients a round samples, at the smallest update; the
         # server checks again with the round's real numbers before the clients train.
-        plan_round(client_level, dim=1, num_clients=config.federation.min_fit_clients,
-                   threshold=secagg.reconstruction_threshold)
+        fewest = config.federation.min_fit_clients
+        plan_round(client_level, dim=1, num_clients=fewest,
+                   min_survivors=fewest_survivors(fewest, secagg.num_shares, secagg.reconstruction_threshold))
     return config

@@ -154,6 +154,21 @@ def derive_parameters(config: SecAggConfig, data: DataConfig, num_clients: int,
     return params
 
 
+def fewest_survivors(num_clients: int, num_shares: int, threshold: int) -> int:
+    """The fewest of ``num_clients`` sampled clients whose masked vectors an aggregate that
+    Flower 1.42's SecAgg+ unmasks can hold.
+
+    ``SecAggPlusWorkflow`` places the sampled clients on a ring (its setup stage) and gives each
+    the window of ``num_shares`` clients centred on itself (itself included; an even count grows
+    by one unless it is every client), and unmasks only if every window still holds at least
+    ``threshold`` of the clients that sent a masked vector. Each client lies in as many windows
+    as a window has clients (w), so the survivors number at least ``ceil(num_clients * threshold
+    / w)``, which evenly spaced survivors reach. Client-level DP splits its noise over this many
+    clients (``distributed_dp``): at 300 clients, 3 shares and threshold 2, 200 rather than 2."""
+    window = min(2 * (num_shares // 2) + 1, num_clients)
+    return -(-num_clients * threshold // window)
+
+
 def exact_update(new: list[np.ndarray], old: list[np.ndarray]) -> list[np.ndarray]:
     """``new - old`` in float64, the update format SecAgg+ quantizes finely. For float32 weights
     the difference is exact unless their magnitudes differ by more than 2**29."""

@@ -114,7 +114,7 @@ from flwr_verl.federation.rounds import (
     wait_for_clients,
     weighted_mean,
 )
-from flwr_verl.federation.secagg import MAX_CLIENTS
+from flwr_verl.federation.secagg import MAX_CLIENTS, fewest_survivors
 from flwr_verl.privacy.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
 
 
@@ -130,8 +130,8 @@ class FedProxAdapters(Strategy):
             updates travel in the clear.
         client_level: client-level DP with distributed noise (``distributed_dp.py``; needs
             ``secure_aggregation``). Each round the server tells clients the number sampled and
-            SecAgg+'s reconstruction threshold, decodes the secure sum of their noisy integers
-            (the only aggregate it ever holds), and accounts the round's client-level epsilon at
+            the fewest of them an unmasked aggregate can hold (``secagg.fewest_survivors``),
+            decodes the secure sum of their noisy integers (the only aggregate it ever holds), and accounts the round's client-level epsilon at
             the sampling rate sampled / eligible clients; None: off.
         frozen_weights: the fingerprint of the weights that never travel (the base model, and the
             LoRA A factors frozen under ``model.lora_freeze_a``: ``AdapterSet.frozen_fingerprint``),
@@ -230,8 +230,9 @@ class FedProxAdapters(Strategy):
             raise ConfigError(f"fraction-fit={self.config.fraction_fit} samples {len(clients)} clients; SecAgg+'s "
                               f"modulus holds the sum of at most {MAX_CLIENTS} without wrapping around")
         if self.client_level is not None:  # raises ConfigError, before the round trains, if bits are too few
+            secagg = self.config.secagg
             plan = plan_round(self.client_level, sum(w.numel() for w in self.weights), len(clients),
-                              self.config.secagg.reconstruction_threshold)
+                              fewest_survivors(len(clients), secagg.num_shares, secagg.reconstruction_threshold))
             self._round_plan = (plan, len(clients) / eligible)
         return [(client, FitIns(parameters, self._fit_config(server_round, client).to_config()))
                 for client in clients]
@@ -246,7 +247,7 @@ class FedProxAdapters(Strategy):
             planned_iterations=self.local_iterations * self.config.num_server_rounds,
             proximal_mu=self.config.proximal_mu, secagg=self.secure_aggregation,
             fail_partition=self.config.inject_failure_partition,
-            client_level=ClientLevelRound(self._round_plan[0].num_clients, self._round_plan[0].threshold)
+            client_level=ClientLevelRound(self._round_plan[0].num_clients, self._round_plan[0].min_survivors)
             if self.client_level is not None else None,
             normalize_update=self.config.aggregation == "fednova",
             sparse=self._sparse_round(self.round_number(server_round)),

@@ -44,12 +44,15 @@ wraps around, which costs accuracy, never privacy. Rounding grows the sensitivit
 term of ``l2_sensitivity``); a bit width for which it would grow by more than
 ``MAX_SENSITIVITY_INFLATION`` is refused before any training (``plan_round``).
 
-**Dropouts.** Each client adds the noise share of the *threshold* number of clients: variance
-``(z * scale * C)**2 / t`` with t = ``secagg.reconstruction-threshold``. SecAgg+ unmasks only when
-every sampled client has at least t surviving neighbours, so an aggregate exists only with at
-least t survivors, and the summed noise is then at least ``(z * scale * C)**2``: the accounted
-noise. More survivors add more noise than accounted (utility cost up to ``num_clients / t``),
-never less.
+**Dropouts.** Each client adds the noise share of the fewest clients whose masked vectors an
+unmasked aggregate can hold, m (``min_survivors``): variance ``(z * scale * C)**2 / m``. Flower's
+SecAgg+ unmasks only when every sampled client has at least t = ``secagg.reconstruction-threshold``
+surviving neighbours among its s = ``secagg.num-shares``, so an aggregate of n sampled clients
+holds at least ``m = ceil(n * t / s)`` of them (``federation.secagg.fewest_survivors``; t when
+n <= s), and the summed noise is then at least ``(z * scale * C)**2``: the accounted noise. More
+survivors add more noise than accounted (utility cost up to ``num_clients / m``, about s / t),
+never less. (Taking m = t, the fewest survivors of one client's neighbourhood, would cost up to
+n / t: a noise std 12x the accounted one at 300 clients a round.)
 
 **Accounting** (``ClientLevelAccount``). Per round, the Skellam mechanism's RDP at integer orders
 (Agarwal et al. 2021, Theorem 3.5; ``skellam_rdp``), amplified by client sampling at rate
@@ -119,7 +122,7 @@ class SkellamPlan:
     rotation: bool
     dim: int  # parameters in one update (every adapter array)
     num_clients: int  # sampled this round: the scale leaves room for all of them
-    threshold: int  # SecAgg+'s reconstruction threshold: the fewest survivors an aggregate can have
+    min_survivors: int  # the fewest clients whose noise an unmasked aggregate holds (see Dropouts)
     scale: float
 
     @property
@@ -145,13 +148,13 @@ class SkellamPlan:
 
     @property
     def central_variance(self) -> float:
-        """Per-coordinate variance of the summed noise with ``threshold`` survivors: what is accounted."""
+        """Per-coordinate variance of the summed noise with ``min_survivors`` survivors: what is accounted."""
         return (self.noise_multiplier * self.scale * self.clip_norm) ** 2
 
     @property
     def client_variance(self) -> float:
-        """Each client's share: the threshold number of clients together add ``central_variance``."""
-        return self.central_variance / self.threshold
+        """Each client's share: ``min_survivors`` clients together add ``central_variance``."""
+        return self.central_variance / self.min_survivors
 
 
 def rounded_l2_bound(norm: float, dim: int) -> float:
@@ -161,39 +164,44 @@ def rounded_l2_bound(norm: float, dim: int) -> float:
     return min(math.sqrt(squared), norm + math.sqrt(dim))
 
 
-def plan_round(config: ClientLevelConfig, dim: int, num_clients: int, threshold: int) -> SkellamPlan:
+def plan_round(config: ClientLevelConfig, dim: int, num_clients: int, min_survivors: int) -> SkellamPlan:
     """The scale for ``config.bits`` and the round's clients; a ``ConfigError`` naming the key when
-    the bit width is too small (or too large) for them."""
-    problem = _bits_problem(config, config.bits, dim, num_clients, threshold)
+    the bit width is too small (or too large) for them. ``min_survivors``: the fewest of the
+    ``num_clients`` whose noise an aggregate holds (``federation.secagg.fewest_survivors``)."""
+    if not 1 <= min_survivors <= num_clients:
+        raise ValueError(f"min_survivors={min_survivors} must be in [1, num_clients={num_clients}]")
+    problem = _bits_problem(config, config.bits, dim, num_clients, min_survivors)
     if problem:
-        usable = [bits for bits in range(1, MAX_BITS + 1) if not _bits_problem(config, bits, dim, num_clients, threshold)]
+        usable = [bits for bits in range(1, MAX_BITS + 1)
+                  if not _bits_problem(config, bits, dim, num_clients, min_survivors)]
         hint = (f"use privacy.client_level.bits={usable[0]} or more" if usable else
                 "no bit width works: sample fewer clients per round or lower privacy.client_level.noise_multiplier")
         raise ConfigError(f"privacy.client_level.bits={config.bits} is invalid for {num_clients} clients per round "
                           f"and an update of {dim} parameters: {problem}; {hint}")
-    return _plan(config, config.bits, dim, num_clients, threshold)
+    return _plan(config, config.bits, dim, num_clients, min_survivors)
 
 
-def _plan(config: ClientLevelConfig, bits: int, dim: int, num_clients: int, threshold: int) -> SkellamPlan:
+def _plan(config: ClientLevelConfig, bits: int, dim: int, num_clients: int, min_survivors: int) -> SkellamPlan:
     # K_STDDEVS of the sum's per-coordinate std must fit in half the range: the signal of num_clients
     # clipped updates (spread over the coordinates by the rotation, else all in one), their
     # noise and their rounding (variance <= 1/4 each).
     padded = 1 << (dim - 1).bit_length() if config.rotation else dim
     spread = padded if config.rotation else 1
     headroom = (2 ** (bits - 1) / K_STDDEVS) ** 2 - num_clients / 4
-    per_scale = config.clip_norm**2 * (num_clients**2 / spread + config.noise_multiplier**2 * num_clients / threshold)
+    per_scale = config.clip_norm**2 * (num_clients**2 / spread
+                                       + config.noise_multiplier**2 * num_clients / min_survivors)
     scale = math.sqrt(headroom / per_scale) if headroom > 0 else 0.0
-    return SkellamPlan(config.clip_norm, config.noise_multiplier, bits, config.rotation, dim, num_clients, threshold,
-                       scale)
+    return SkellamPlan(config.clip_norm, config.noise_multiplier, bits, config.rotation, dim, num_clients,
+                       min_survivors, scale)
 
 
-def _bits_problem(config: ClientLevelConfig, bits: int, dim: int, num_clients: int, threshold: int) -> str:
+def _bits_problem(config: ClientLevelConfig, bits: int, dim: int, num_clients: int, min_survivors: int) -> str:
     if bits > MAX_BITS:
         return f"Flower's SecAgg+ quantizes through int32, so at most {MAX_BITS} bits"
     if num_clients >= 2 ** (SECAGG_MODULUS_BITS - bits):
         return (f"the SecAgg+ modulus 2**{SECAGG_MODULUS_BITS} holds the sum of at most "
                 f"{2 ** (SECAGG_MODULUS_BITS - bits) - 1} clients at this width")
-    plan = _plan(config, bits, dim, num_clients, threshold)
+    plan = _plan(config, bits, dim, num_clients, min_survivors)
     if plan.scale <= 0:
         return "the range cannot even hold the clients' rounding error"
     growth = plan.l2_sensitivity / (plan.scale * plan.clip_norm)

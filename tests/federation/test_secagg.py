@@ -32,6 +32,7 @@ from flwr_verl.federation.secagg import (
     derive_parameters,
     error_bound,
     exact_update,
+    fewest_survivors,
     quantization_range_for,
 )
 
@@ -81,6 +82,51 @@ def test_the_strategy_refuses_to_sample_more_clients_than_the_modulus_holds():
         strategy.configure_fit(1, ndarrays_to_parameters(initial), manager)
     assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(MAX_CLIENTS)))) \
         == MAX_CLIENTS
+
+
+def _flowers_secagg_ring(num_clients: int, num_shares: int, threshold: int, monkeypatch):
+    """Flower's own SecAgg+ workflow after its setup stage (its neighbour windows over
+    ``num_clients`` sampled node ids, 0..n-1), and the state whose survivors its threshold check reads."""
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.common import FitIns, ndarrays_to_parameters
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
+    from flwr.server.workflow.secure_aggregation import secaggplus_workflow
+
+    monkeypatch.setattr(secaggplus_workflow, "Message", lambda **_: None)  # nothing is sent: no run to name
+    fit = FitIns(ndarrays_to_parameters([np.zeros(1)]), {})
+    proxies = [(SimpleNamespace(node_id=node), fit) for node in range(num_clients)]
+    context = SimpleNamespace(
+        state=SimpleNamespace(config_records={MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: 1})},
+                              array_records={MAIN_PARAMS_RECORD: ArrayRecord([np.zeros(1)])}),
+        strategy=SimpleNamespace(configure_fit=lambda *_: proxies),
+        client_manager=SimpleNamespace(num_available=lambda: num_clients))
+    workflow, state = SecAggPlusWorkflow(num_shares, threshold), secaggplus_workflow.WorkflowState()
+    workflow.setup_stage(SimpleNamespace(send_and_receive=lambda *_, **__: []), context, state)  # nobody answers
+    return workflow, state
+
+
+@pytest.mark.parametrize("num_shares, threshold", [(3, 2), (4, 2), (4, 3), (5, 2), (5, 4)])
+def test_fewest_survivors_is_the_smallest_set_flowers_secagg_unmasks(num_shares, threshold, monkeypatch):
+    """Client-level DP splits its noise over ``fewest_survivors`` clients (``distributed_dp``): no
+    set of fewer survivors may pass Flower's threshold check, or the aggregate would hold less
+    noise than accounted. Checked against every subset of Flower's own neighbour windows; and
+    it is the smallest set that passes, so the noise is not over-provisioned either."""
+    import itertools
+
+    for num_clients in range(num_shares, 10):
+        workflow, state = _flowers_secagg_ring(num_clients, num_shares, threshold, monkeypatch)
+        assert len(state.nid_to_neighbours) == num_clients
+
+        def unmasks(survivors) -> bool:
+            state.active_node_ids = set(survivors)
+            return workflow._check_threshold(state)
+
+        smallest = min(size for size in range(num_clients + 1)
+                       if any(unmasks(s) for s in itertools.combinations(range(num_clients), size)))
+        assert fewest_survivors(num_clients, num_shares, threshold) == smallest, num_clients
+    # at scale: 300 sampled clients with the default 3 shares and threshold 2 leave at least 200
+    assert fewest_survivors(300, 3, 2) == 200 and fewest_survivors(3, 3, 2) == 2
 
 
 def test_rejects_more_shares_than_sampled_clients():

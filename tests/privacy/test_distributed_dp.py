@@ -59,11 +59,11 @@ def test_the_noise_key_comes_from_the_os_unless_a_seed_is_given():
 
 
 def test_the_summed_shares_are_exactly_skellam_of_the_accounted_variance():
-    """Skellam is closed under sums: the threshold number of clients' shares give Sk(central)."""
-    plan = ddp._plan(CONFIG, 20, dim=64, num_clients=3, threshold=2)
+    """Skellam is closed under sums: the shares of the fewest survivors give Sk(central)."""
+    plan = ddp._plan(CONFIG, 20, dim=64, num_clients=3, min_survivors=2)
     shrunk = dataclasses.replace(plan, scale=10.0)  # a variance small enough to bin
     rng = np.random.default_rng(7)
-    total = sum(ddp.skellam_noise(shrunk.client_variance, 100_000, rng) for _ in range(shrunk.threshold))
+    total = sum(ddp.skellam_noise(shrunk.client_variance, 100_000, rng) for _ in range(shrunk.min_survivors))
     assert shrunk.central_variance == pytest.approx(1.0)  # (z * scale * C)^2
     assert _chi_square_p(total, shrunk.central_variance) > 1e-3
 
@@ -86,7 +86,7 @@ def test_clipping_bounds_the_whole_update():
 
 
 def test_conditional_rounding_is_unbiased_and_within_the_sensitivity():
-    plan = ddp.plan_round(CONFIG, 300, num_clients=3, threshold=2)
+    plan = ddp.plan_round(CONFIG, 300, num_clients=3, min_survivors=2)
     x = ddp.clip_l2(np.random.default_rng(1).normal(size=plan.padded_dim), plan.clip_norm) * plan.scale
     rng = np.random.default_rng(2)
     draws = np.stack([ddp.conditional_round(x, plan.l2_sensitivity, rng) for _ in range(400)])
@@ -100,7 +100,7 @@ def test_what_a_client_hands_secagg_already_carries_its_noise_share():
     """The noise is added before the update leaves the client, so every sum that SecAgg+ (or
     anyone) can form from what clients send contains it: decoded alone, one client's message is
     its update plus noise of its share's variance."""
-    plan = ddp.plan_round(CONFIG, 4096, num_clients=3, threshold=2)
+    plan = ddp.plan_round(CONFIG, 4096, num_clients=3, min_survivors=2)
     rng = np.random.default_rng(5)
     update = rng.normal(size=4096) * 1e-4  # inside the clipping ball
     sent = ddp.encode_update([update], plan, server_round=1, rng=rng)
@@ -114,7 +114,7 @@ def test_flowers_quantization_passes_the_clients_integers_unchanged():
     rounding), with Flower's own functions: it yields each client's integers modulo 2**bits."""
     from flwr.common.secure_aggregation.quantization import quantize
 
-    plan = ddp.plan_round(CONFIG, 1000, num_clients=3, threshold=2)
+    plan = ddp.plan_round(CONFIG, 1000, num_clients=3, min_survivors=2)
     params = integer_secagg_parameters(_secagg_parameters(), plan.bits)
     assert round(1 / params.max_weight * params.quantization_range) / params.quantization_range == 1.0
     integers = np.random.default_rng(3).integers(-3 * plan.modulus, 3 * plan.modulus, size=5000)
@@ -140,7 +140,7 @@ def test_the_round_instructions_travel_in_the_fit_config():
     from flwr_verl.federation.protocol import ClientLevelRound, FitConfig, SecAggBounds
 
     sent = FitConfig(server_round=4, local_iterations=2, planned_iterations=16, proximal_mu=0.0,
-                     secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=5, threshold=2))
+                     secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=5, min_survivors=2))
     assert FitConfig.from_config(sent.to_config()) == sent
     plain = FitConfig(server_round=4, local_iterations=2, planned_iterations=16, proximal_mu=0.0)
     assert FitConfig.from_config(plain.to_config()).client_level is None
@@ -152,7 +152,7 @@ def test_epsilon_at_full_participation_matches_opacus_gaussian_rdp_plus_skellams
     plus the discreteness term of Agarwal et al. (2021, Thm 3.5), computed here independently."""
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-    plan = ddp.plan_round(CONFIG, 5000, num_clients=3, threshold=2)
+    plan = ddp.plan_round(CONFIG, 5000, num_clients=3, min_survivors=2)
     account = ddp.ClientLevelAccount()
     for _ in range(8):
         account.record(plan, 1.0)
@@ -186,7 +186,7 @@ def test_client_sampling_amplification_is_an_upper_bound_on_opacus_sampled_gauss
 
 
 def test_the_account_composes_rounds_and_round_trips_through_json():
-    plan = ddp.plan_round(CONFIG, 5000, num_clients=3, threshold=2)
+    plan = ddp.plan_round(CONFIG, 5000, num_clients=3, min_survivors=2)
     account = ddp.ClientLevelAccount()
     spent = []
     for _ in range(3):
@@ -217,10 +217,10 @@ def test_a_bit_width_too_small_for_the_clients_fails_before_training():
     load_run_config({"privacy.client_level.enabled": True, "privacy.client_level.bits": 12})
     # more clients need more bits: what passes for 3 fails for 500 sampled clients
     with pytest.raises(ConfigError, match=r"bits=12 is invalid for 500 clients"):
-        ddp.plan_round(ClientLevelConfig(enabled=True, bits=12), 1, num_clients=500, threshold=2)
+        ddp.plan_round(ClientLevelConfig(enabled=True, bits=12), 1, num_clients=500, min_survivors=2)
     # and the SecAgg+ modulus bounds clients times range
     with pytest.raises(ConfigError, match=r"modulus 2\*\*40 holds the sum of at most 1023 clients"):
-        ddp.plan_round(ClientLevelConfig(enabled=True, bits=30), 1000, num_clients=1100, threshold=2)
+        ddp.plan_round(ClientLevelConfig(enabled=True, bits=30), 1000, num_clients=1100, min_survivors=2)
 
 
 def test_client_level_dp_without_secagg_is_refused():
@@ -247,6 +247,35 @@ def test_the_server_refuses_a_round_with_more_clients_than_the_bits_hold_before_
     assert len(strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(3)))) == 3
     with pytest.raises(ConfigError, match=r"privacy.client_level.bits=12 is invalid for 500 clients per round"):
         strategy.configure_fit(1, ndarrays_to_parameters(initial), InProcessClients.named(range(500)))
+
+
+def test_a_sampled_round_splits_the_noise_over_the_fewest_survivors_and_accounts_the_sampling_rate():
+    """300 organisations, 10% sampled a round (min-fit-clients 30): each round a fresh uniform
+    sample of 30; every client is told to add 1/20 of the accounted variance (at least 20 of 30
+    survive SecAgg+'s default 3 shares and threshold 2, not 2), and the round is accounted at q = 0.1."""
+    import random
+
+    from flwr.common import ndarrays_to_parameters
+
+    from flwr_verl.config import FederationConfig
+    from flwr_verl.federation.inprocess import InProcessClients
+    from flwr_verl.federation.protocol import FitConfig, SecAggBounds
+    from flwr_verl.federation.strategy import FedProxAdapters
+
+    initial = [np.zeros(64)]
+    federation = FederationConfig(fraction_fit=0.1, min_fit_clients=30, min_available_clients=300)
+    strategy = FedProxAdapters(federation, initial, local_iterations=1, secure_aggregation=SecAggBounds(1, 64),
+                               client_level=CONFIG)
+    manager = InProcessClients.named(range(300), rng=random.Random(0))
+    sampled = []
+    for server_round in (1, 2):
+        instructions = strategy.configure_fit(server_round, ndarrays_to_parameters(initial), manager)
+        sampled.append({proxy.cid for proxy, _ in instructions})
+        told = {FitConfig.from_config(dict(ins.config)).client_level for _, ins in instructions}
+        assert len(sampled[-1]) == 30 and {(t.num_clients, t.min_survivors) for t in told} == {(30, 20)}
+    assert sampled[0] != sampled[1]  # a fresh random sample each round, as Flower's client manager draws
+    plan, rate = strategy._round_plan
+    assert rate == pytest.approx(0.1) and plan.client_variance == pytest.approx(plan.central_variance / 20)
 
 
 # ----------------------------------------------------------------------------- real SecAgg+ (slow)
@@ -277,7 +306,7 @@ def secure_round(tmp_path_factory):
 def test_the_secure_sum_is_the_sum_of_the_clients_noisy_integers_exactly(secure_round):
     clients, spec, phase = secure_round
     dim = sum(math.prod(s) for s in spec["shapes"])
-    plan = ddp.plan_round(ClientLevelConfig(**PHASE_CONFIG), dim, CLIENTS, threshold=2)
+    plan = ddp.plan_round(ClientLevelConfig(**PHASE_CONFIG), dim, CLIENTS, min_survivors=2)
     sent = [clients.client_level_output(spec, PHASE_CONFIG, pid, 1, CLIENTS, 2)[0] for pid in range(CLIENTS)]
     expected = np.mod(sum((s + plan.modulus // 2).astype(np.int64) for s in sent), plan.modulus)
     expected = np.where(expected >= plan.modulus // 2, expected - plan.modulus, expected)
@@ -294,7 +323,7 @@ def test_the_server_applies_the_noisy_mean_and_accounts_it(secure_round):
                                  PHASE_CONFIG["clip_norm"]) for p in range(CLIENTS)], axis=0)
     applied = np.concatenate([w.ravel() for w in phase["weights"]])  # from zeros: the applied mean update
     error = applied - clean
-    # noise of the mean: z * C * sqrt(survivors / threshold) / survivors per coordinate (rounding is 1e-6)
+    # noise of the mean: z * C * sqrt(survivors / fewest survivors, 2 of 3) / survivors per coordinate (rounding 1e-6)
     expected_std = PHASE_CONFIG["noise_multiplier"] * PHASE_CONFIG["clip_norm"] * math.sqrt(CLIENTS / 2) / CLIENTS
     assert np.std(error) == pytest.approx(expected_std, rel=0.1)
     assert abs(np.mean(error)) < 5 * expected_std / math.sqrt(error.size)
@@ -353,7 +382,7 @@ def test_verl_clients_send_noisy_integers_and_the_server_reports_client_level_ep
     refusing = clients["0"]
     refusing.client_epsilon_budget = spent * 1.01
     second = FitConfig(server_round=2, local_iterations=1, planned_iterations=2, proximal_mu=0.0,
-                       secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=3, threshold=2))
+                       secagg=SecAggBounds(1.0, 64.0), client_level=ClientLevelRound(num_clients=3, min_survivors=2))
     with pytest.raises(PrivacyBudgetExhausted, match=r"client-level epsilon from .* node config "
                                                      r"client-epsilon-budget="):
         refusing.fit(initial, second.to_config())

@@ -295,7 +295,7 @@ def test_client_level_spends_are_their_own_entry_shown_and_held_to_their_budget(
     ledger = PrivacyLedger(path)
     prompts = DataSetKey("cd" * 32, "prompt", "task 'arithmetic' seed 0, partition 1, 32 prompts")
     clients = DataSetKey(prompts.fingerprint, ddp.PRIVACY_UNIT, prompts.description)
-    plan = ddp.plan_round(ClientLevelConfig(enabled=True, noise_multiplier=2.0), dim=64, num_clients=3, threshold=2)
+    plan = ddp.plan_round(ClientLevelConfig(enabled=True, noise_multiplier=2.0), dim=64, num_clients=3, min_survivors=2)
     ledger.spend(prompts, IterationMechanism(1.0, 0.25), 5, budget=0, delta=DELTA, accountant="rdp", run_id="11",
                  server_round=1)
 
