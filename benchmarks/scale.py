@@ -37,8 +37,9 @@ process the run starts and sampled every second. Client-level DP: no target set.
    work is ``client_level_dp.py``'s 4 local iterations of 16 prompts a round, from a pool of 64
    training prompts (its default pool is 256; a smaller one loads faster and each round uses 64
    anyway). Half that work, 2 iterations of 8, left the non-private arm with no gain in 4 rounds
-   (0.457 -> 0.440 at 6 organisations), so nothing to keep. Held-out greedy accuracy on every
-   validation problem (disjoint from training; nothing is tuned on it) at client-level epsilon
+   (0.457 -> 0.440 at 6 organisations, read on the validation problems: the one choice made
+   there, of how much work, and no setting of the private arms). Held-out greedy accuracy on every
+   validation problem (disjoint from training) at client-level epsilon
    1, 4 and 10 (delta 1e-5) and without client-level DP; the gain kept is (epsilon arm - round 0)
    / (no-DP arm - round 0), one seed (None where the no-DP arm gains nothing).
 

@@ -10,10 +10,18 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import pytest
+
 from deploy.launch import MARKER, LocalDeployment, kill_processes_with_env
 from deploy.simulation import APP, flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: F401 - for tests
 
 REPO = APP
+
+
+def engine_params(group: str, engines) -> list:
+    """Module-fixture params, one per node engine, each its own xdist group (``tests/conftest.py``):
+    the warm and the cold half of a module run side by side."""
+    return [pytest.param(engine, marks=pytest.mark.xdist_group(f"{group}-{engine}")) for engine in engines]
 
 
 # ----------------------------------------------------------------------------- deployment

@@ -60,31 +60,16 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 import tomli_w
-from flwr.common.config import flatten_dict
 
 from flwr_verl.config import ConfigError
 from flwr_verl.federation.run_config import load_run_config
-from flwr_verl.tools.config_files import read_run_config
+from flwr_verl.tools.config_files import app_defaults, read_run_config
 
 # The Flower app this package ships with: the repository's pyproject.toml (a source checkout or
 # an editable install). Elsewhere pass --app.
 APP_DIR = Path(__file__).resolve().parents[2]
 EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT = 1, 2, 3
 COMPLETED = "finished:completed"  # the status Flower's SuperLink gives a run that ended normally
-
-
-def app_defaults(app_dir: Path) -> dict[str, Any]:
-    """The flat ``[tool.flwr.app.config]`` of the Flower app in ``app_dir``."""
-    manifest = app_dir / "pyproject.toml"
-    try:
-        document = tomllib.loads(manifest.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--app={str(app_dir)!r} is invalid: no pyproject.toml there "
-                          "(pass the directory of the Flower app)") from None
-    config = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config")
-    if config is None:
-        raise ConfigError(f"--app={str(app_dir)!r} is invalid: {manifest} has no [tool.flwr.app.config]")
-    return flatten_dict(config)
 
 
 def checked_run_config(path: str | None, overrides: list[str], app_dir: Path) -> dict[str, Any]:

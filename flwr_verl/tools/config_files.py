@@ -4,6 +4,7 @@ run --run-config`` parses it. The result is Flower's flat run config, for ``pars
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 try:
@@ -35,11 +36,31 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return values
 
 
+def app_section(document: dict[str, Any]) -> dict[str, Any] | None:
+    """A pyproject document's ``[tool.flwr.app.config]``, or None without one."""
+    return document.get("tool", {}).get("flwr", {}).get("app", {}).get("config")
+
+
 def read_run_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
     """Flat run config from a TOML file (if any) and ``key=value`` overrides."""
     values: dict[str, Any] = {}
     if path:
         with open(path, "rb") as handle:
             document = tomllib.load(handle)
-        values = flatten_dict(document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document))
+        section = app_section(document)
+        values = flatten_dict(document if section is None else section)
     return {**values, **parse_overrides(overrides)}
+
+
+def app_defaults(app_dir: Path) -> dict[str, Any]:
+    """The flat ``[tool.flwr.app.config]`` of the Flower app in ``app_dir``."""
+    manifest = app_dir / "pyproject.toml"
+    try:
+        document = tomllib.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--app={str(app_dir)!r} is invalid: no pyproject.toml there "
+                          "(pass the directory of the Flower app)") from None
+    config = app_section(document)
+    if config is None:
+        raise ConfigError(f"--app={str(app_dir)!r} is invalid: {manifest} has no [tool.flwr.app.config]")
+    return flatten_dict(config)

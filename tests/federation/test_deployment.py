@@ -29,6 +29,7 @@ from tests.flower_harness import (
     REPO,
     SMALL_RUN,
     assert_final_adapter_trained_and_loadable,
+    engine_params,
     local_deployment,
     records,
     run_directories,
@@ -38,8 +39,7 @@ from tests.flower_harness import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[pytest.param(engine, marks=pytest.mark.xdist_group(f"deployment-{engine}"))
-                                        for engine in ("warm", "cold")])
+@pytest.fixture(scope="module", params=engine_params("deployment", ("warm", "cold")))
 def deployment(tmp_path_factory, request):
     """Every node on a warm engine (node config ``engine``, the default), then every node cold."""
     root = tmp_path_factory.mktemp(f"deploy-{request.param}") / "fl"

@@ -60,6 +60,7 @@ from tests.flower_harness import (
     FAULT_RUN,
     REPO,
     count_in,
+    engine_params,
     initial_adapter,
     local_deployment,
     records,
@@ -479,8 +480,7 @@ def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
 FAULT_ENGINES = os.environ.get("FLWR_VERL_FAULT_ENGINES", "warm").split(",")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(engine, marks=pytest.mark.xdist_group(f"faults-{engine}"))
-                                        for engine in FAULT_ENGINES])
+@pytest.fixture(scope="module", params=engine_params("faults", FAULT_ENGINES))
 def federation(tmp_path_factory, request):
     """Every node on a warm engine (the default), and with FLWR_VERL_FAULT_ENGINES=warm,cold every
     node cold after it: each fault below runs on each."""
