@@ -4,11 +4,13 @@
 Goals (issue 27): a warm node's per-message overhead <= 1 s (cold: about 10 s); a round's wall
 time <= 1.5 x (the slowest client's fit compute + the SecAgg+ protocol alone).
 
-    python benchmarks/deployment.py [--rounds 4] [--engines cold warm]
+    python benchmarks/deployment.py [--rounds 4] [--arms warm cold warm-sequential]
 
-Per engine (node config ``engine``), one fresh deployment and one run of ``--rounds`` rounds
-(the deployment test's run: 128 prompts per client, 3 local iterations of 16 prompts x 4
-responses, DP noise 0.8, SecAgg+, evaluation every round). Figures:
+Per arm, one fresh deployment and one run of ``--rounds`` rounds (the deployment test's run: 128
+prompts per client, 3 local iterations of 16 prompts x 4 responses, DP noise 0.8, SecAgg+,
+evaluation every round). Arms: ``warm`` and ``cold`` (node config ``engine``) with the default
+``overlap-evaluation = true``; ``warm-sequential``, warm with it off, so that each round's
+evaluation is over before the next round's first message goes out. Figures:
 
 - ``per_message_overhead_s``: for each message that calls the engine (preflight, fit, evaluate),
   the ClientApp process's time from its start to its reply, less the engine's compute for the
@@ -26,7 +28,12 @@ responses, DP noise 0.8, SecAgg+, evaluation every round). Figures:
   process per stage included; ``round_over_fit_and_secagg``: a round over
   (``fit.time_fit_max`` + ``secagg_protocol_s``), the issue's 1.5x goal;
 - ``fit_stage_overhead_s``: the stage that carries the fit (collect_masked_vectors) less the
-  slowest fit compute: the server's view of one fit message's overhead.
+  slowest fit compute: the server's view of one fit message's overhead;
+- ``cycle_s``: round to round (``finished_at`` of consecutive records), evaluation and every wait
+  included, median over the rounds after the first: what a round costs. With overlap the
+  evaluation runs ahead of the next round's SecAgg+ setup on each node, so ``round_s``, the setup
+  stage's seconds and the ratios built on them include it; the goal's ratio is read on
+  ``warm-sequential``, and ``overlap_saves_per_round_s`` is its ``cycle_s`` less ``warm``'s.
 
 Writes ``benchmarks/results/deployment.json`` (per engine: figures, per-round records, load
 average) and prints a table.
@@ -77,8 +84,8 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure(engine: str, root: Path, rounds: int) -> dict:
-    config = {**RUN, "num-server-rounds": rounds, "output-dir": str(root / "out")}
+def measure(engine: str, root: Path, rounds: int, overlap: bool) -> dict:
+    config = {**RUN, "num-server-rounds": rounds, "output-dir": str(root / "out"), "overlap-evaluation": overlap}
     load = os.getloadavg()[0]
     with LocalDeployment(root / "fl", 3, tls=True, auth=True, engine=engine) as fed:
         start = time.perf_counter()
@@ -97,11 +104,13 @@ def measure(engine: str, root: Path, rounds: int) -> dict:
         fit_max = record["fit"]["time_fit_max"]
         protocol = sum(stages.get(stage, 0.0) for stage in NO_FIT_STAGES)
         per_round.append({"round": record["round"], "seconds": record["seconds"], "time_fit_max": fit_max,
+                          "finished_at": record["finished_at"],
                           "secagg_protocol_s": protocol, "stage_seconds": stages,
                           "round_over_fit": record["seconds"] / fit_max,
                           "round_over_fit_and_secagg": record["seconds"] / (fit_max + protocol),
                           "fit_stage_overhead_s": stages.get(FIT_STAGE, 0.0) - fit_max})
     steady = per_round[1:] or per_round
+    cycles = [later["finished_at"] - earlier["finished_at"] for earlier, later in zip(per_round, per_round[1:])]
 
     def steady_median(key: str) -> float:
         return statistics.median(r[key] for r in steady)
@@ -112,29 +121,39 @@ def measure(engine: str, root: Path, rounds: int) -> dict:
             "round_over_fit_and_secagg": steady_median("round_over_fit_and_secagg"),
             "secagg_protocol_s": steady_median("secagg_protocol_s"), "time_fit_max_s": steady_median("time_fit_max"),
             "round_s": steady_median("seconds"), "fit_stage_overhead_s": steady_median("fit_stage_overhead_s"),
+            "cycle_s": median(cycles), "cycles_s": cycles, "overlap_evaluation": overlap,
             "run_wall_s": wall, "load_average_1min_before": load, "rounds": per_round}
+
+
+ARMS = {"warm": ("warm", True), "cold": ("cold", True), "warm-sequential": ("warm", False)}  # engine, overlap
 
 
 def main() -> None:
     harness.quiet()
     parser = harness.argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--engines", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "deployment.json")
     args = parser.parse_args()
     results = {}
-    for engine in args.engines:
-        with tempfile.TemporaryDirectory(prefix=f"fvd-{engine}-") as scratch:
-            results[engine] = measure(engine, Path(scratch), args.rounds)
-        harness.write_json(args.out.with_suffix(f".{engine}.json"), results[engine])  # kept if a later arm fails
-        figures = results[engine]
-        print(f"{engine}: per-message overhead {figures['per_message_overhead_s']:.2f} s (Flower's ClientApp process "
+    for arm in args.arms:
+        engine, overlap = ARMS[arm]
+        with tempfile.TemporaryDirectory(prefix=f"fvd-{arm}-") as scratch:
+            results[arm] = measure(engine, Path(scratch), args.rounds, overlap)
+        harness.write_json(args.out.with_suffix(f".{arm}.json"), results[arm])  # kept if a later arm fails
+        figures = results[arm]
+        print(f"{arm}: per-message overhead {figures['per_message_overhead_s']:.2f} s (Flower's ClientApp process "
               f"{figures['flower_clientapp_s']:.2f} s, the app {figures['app_overhead_s']:.2f} s; first message "
               f"{figures['first_message_overhead_s']:.2f} s); round {figures['round_s']:.1f} s = "
               f"{figures['round_over_fit']:.2f} x the slowest fit ({figures['time_fit_max_s']:.2f} s), "
               f"{figures['round_over_fit_and_secagg']:.2f} x (fit + SecAgg+ protocol {figures['secagg_protocol_s']:.1f} s); "
-              f"fit stage overhead {figures['fit_stage_overhead_s']:.2f} s; run {figures['run_wall_s']:.0f} s; "
+              f"fit stage overhead {figures['fit_stage_overhead_s']:.2f} s; round to round, evaluation included, "
+              f"{figures['cycle_s']:.1f} s; run {figures['run_wall_s']:.0f} s; "
               f"load {figures['load_average_1min_before']:.1f}")
+    if "warm" in results and "warm-sequential" in results:
+        saved = results["warm-sequential"]["cycle_s"] - results["warm"]["cycle_s"]
+        results["overlap_saves_per_round_s"] = saved
+        print(f"overlap-evaluation saves {saved:.1f} s a round (warm, round to round)")
     harness.write_json(args.out, {"command": harness.command_line(), "rounds": args.rounds, "cpus": os.cpu_count(),
                                   "goals": {"per_message_overhead_s": 1.0, "round_over_fit_and_secagg": 1.5},
                                   **results})

@@ -79,6 +79,9 @@ class FederationConfig:
     connect_timeout: float = 120.0  # for min-available-clients SuperNodes to be connected before a round
     fit_timeout: float = 1800.0  # for the sampled clients' fit replies (plain rounds; SecAgg+ has secagg.timeout)
     evaluate_timeout: float = 600.0  # for the evaluation replies
+    # Deployments: push a round's evaluation and the next round's first message together, so a
+    # SuperNode finds its next message waiting instead of idling 3 s (workflow.RoundLoop).
+    overlap_evaluation: bool = True
     output_dir: str = "~/flwr_verl_runs"
     resume: bool = False
     inject_failure_partition: int = -1  # tests: this partition's fit raises (-1 = none)

@@ -15,7 +15,11 @@ second (one small request to the SuperLink each). The server's other wrappers
 
 What the server cannot shorten: a SuperNode with nothing to do asks the SuperLink for a message
 every 3 s (``flwr.supernode.start_client_internal``, no setting), so each stage may still wait up
-to 3 s before a node sees its message. ``docs/deployment.md`` gives the measured cost.
+to 3 s before a node sees its message. ``docs/deployment.md`` gives the measured cost. Where a
+node's next message does not depend on its last reply, the server can have it waiting: with
+``overlap-evaluation`` (``workflow.RoundLoop``) a round's evaluation and the next round's first
+message go out together, and ``QueuedGrid`` gives that first message's stage the time the
+evaluation ahead of it may take.
 """
 
 from __future__ import annotations
@@ -64,8 +68,13 @@ class PollingGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages`` and return their replies once all have arrived, or whichever arrived
         within ``timeout`` seconds (None: no deadline), as Flower's grids do."""
-        pending = set(self.push_messages(messages))
-        deadline = None if timeout is None else time.monotonic() + timeout
+        ids = self.push_messages(messages)
+        return self.receive(ids, None if timeout is None else time.monotonic() + timeout)
+
+    def receive(self, message_ids: Iterable[str], deadline: float | None) -> list[Message]:
+        """The replies to the pushed ``message_ids`` once all have arrived, or whichever arrived by
+        ``deadline`` (``time.monotonic()``; None: none)."""
+        pending = set(message_ids)
         replies: list[Message] = []
         interval = FIRST_POLL_S
         while True:
@@ -80,3 +89,21 @@ class PollingGrid(Grid):
             time.sleep(min(interval, remaining))
             interval = min(interval * POLL_GROWTH, MAX_POLL_S)
 
+
+class QueuedGrid(PollingGrid):
+    """A ``PollingGrid`` whose first ``send_and_receive`` waits ``queued_s`` longer than asked: its
+    messages reach nodes that still have earlier work to finish (an evaluation pushed just before),
+    and a node answers them only after that.
+
+    Args:
+        grid: the grid to wrap.
+        queued_s: the longest the earlier work may still take (its own deadline's remainder).
+    """
+
+    def __init__(self, grid: Grid, queued_s: float) -> None:
+        super().__init__(grid)
+        self.queued_s = queued_s
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        extra, self.queued_s = self.queued_s, 0.0
+        return super().send_and_receive(messages, timeout=None if timeout is None else timeout + extra)

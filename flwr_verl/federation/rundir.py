@@ -51,11 +51,13 @@ from flwr_verl.engine.models import AdapterSet
 from flwr_verl.federation.checkpoint import CheckpointError, load_state, save_state
 
 # What a resumed run may change: how long it runs, where it writes, how often it evaluates and
-# saves, and how long it waits. Everything else changes what is trained or what it spends.
+# saves, how long it waits, and whether evaluations overlap the next round. Everything else
+# changes what is trained or what it spends.
 RESUMABLE_CHANGES = frozenset({
     "federation.num_server_rounds", "federation.output_dir", "federation.resume", "federation.evaluate_every",
     "federation.save_every", "federation.connect_timeout", "federation.fit_timeout", "federation.evaluate_timeout",
-    "federation.inject_failure_partition", "federation.secagg.timeout", "engine.trainer.num_threads",
+    "federation.overlap_evaluation", "federation.inject_failure_partition", "federation.secagg.timeout",
+    "engine.trainer.num_threads",
 })
 
 

@@ -331,7 +331,8 @@ class FedProxAdapters(Strategy):
                            "clients": sorted(r.partition_id for _, _, r in contributing),
                            "iterations": {p.cid: r.iterations for p, _, r in contributing},  # by node id
                            "update_max_abs": float(max(np.abs(u).max() for u in mean_update)),
-                           "seconds": time.perf_counter() - self._round_start}
+                           "seconds": time.perf_counter() - self._round_start,
+                           "finished_at": time.time()}  # Unix time: rounds apart, with everything between
         log(INFO, "round %s: %s, %s clients, %s failed, %s refused", round_number, describe_fit(metrics),
             len(contributing), len(messages), len(refused))
         log(INFO, "round %s: local iterations per client: %s", round_number,

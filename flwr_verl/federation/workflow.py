@@ -15,6 +15,16 @@ message. The steps here replace them:
   preflight when it reaches every connected client. After a fit it writes
   the checkpoint at once, before evaluating, so a round whose evaluation never ends is not lost.
   Evaluation goes to whoever is connected, with a deadline.
+- Overlap (``overlap-evaluation``, deployments only): a SuperNode runs one message at a time and,
+  once it has replied, sleeps 3 s before asking for the next if none is waiting
+  (``flwr.supernode.start_client_internal``). A round's evaluation and the next round's first
+  message (SecAgg+ setup, or the fit in the clear) need nothing from each other, so the server
+  pushes the evaluation, returns, and pushes the next round's first message at once: each node
+  finds it waiting when its evaluation is done. That first stage's deadline grows by what the
+  evaluation may still take (``grid.QueuedGrid``), and the round's record is written, in order,
+  once the next round's fit has ended (or failed). Not in simulation: Flower's simulation runs
+  two messages for one node at once and keeps only the node state of whichever ends last, which
+  would lose SecAgg+'s.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
   round with the reason instead of passing silently. Its own deadline is ``secagg.timeout``.
 
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from logging import INFO, WARNING
 
@@ -38,8 +49,10 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
+from flwr.superlink.grid import InMemoryGrid
 
 from flwr_verl.config import FederationConfig
+from flwr_verl.federation.grid import PollingGrid, QueuedGrid
 from flwr_verl.federation.rounds import NoReply, RoundFailed, StopFederation, budget_spent, describe_failures
 from flwr_verl.federation.rundir import RunDirectory
 from flwr_verl.federation.strategy import FedProxAdapters
@@ -55,31 +68,65 @@ CONVERTERS = {
 }
 
 
-def exchange(grid: Grid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
-             timeout: float) -> tuple[list, list]:
-    """Send each ``(proxy, FitIns | EvaluateIns | GetPropertiesIns)`` and collect replies for at most ``timeout``
-    seconds; return ``(results, failures)`` as the legacy strategy API expects them. On a
-    ``wire.NodeNamedErrors`` grid every error names its node."""
-    to_recorddict, from_recorddict = CONVERTERS[message_type]
-    proxies = {proxy.node_id: proxy for proxy, _ in instructions}
+@dataclass
+class Sent:
+    """Legacy instructions pushed to the nodes, whose replies are collected by ``collect``."""
+
+    grid: PollingGrid  # what they were pushed through: their replies are pulled (metered, named) through it
+    message_type: str
+    addressee: dict[str, ClientProxy]  # message id -> the client it went to
+    timeout: float
+    deadline: float  # time.monotonic()
+
+
+def send(grid: PollingGrid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
+         timeout: float) -> Sent:
+    """Push each ``(proxy, FitIns | EvaluateIns | GetPropertiesIns)``; the replies are due within
+    ``timeout`` seconds."""
+    to_recorddict, _ = CONVERTERS[message_type]
     messages = [Message(content=to_recorddict(ins), dst_node_id=proxy.node_id, message_type=message_type,
                         group_id=str(server_round)) for proxy, ins in instructions]
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
-    # Match replies by the message they answer, not by sender: the SuperLink itself sends the
-    # "node unavailable" error for a node that died. Pushing the messages gave them their ids.
-    addressee = {message.metadata.message_id: proxies[message.metadata.dst_node_id] for message in messages}
+    ids = grid.push_messages(messages)
+    # Replies are matched by the message they answer, not by sender: the SuperLink itself sends
+    # the "node unavailable" error for a node that died.
+    return Sent(grid, message_type, dict(zip(ids, (proxy for proxy, _ in instructions), strict=True)), timeout,
+                time.monotonic() + timeout)
+
+
+def collect(sent: Sent) -> tuple[list, list]:
+    """The replies to ``sent`` once all have arrived, or whichever arrived by its deadline, as
+    ``(results, failures)`` as the legacy strategy API expects them. On a
+    ``wire.NodeNamedErrors`` grid every error names its node."""
+    _, from_recorddict = CONVERTERS[sent.message_type]
+    replies = sent.grid.receive(list(sent.addressee), sent.deadline)
     results, failures = [], []
     for reply in replies:
-        proxy = addressee[reply.metadata.reply_to_message_id]
+        proxy = sent.addressee[reply.metadata.reply_to_message_id]
         if reply.has_content():
             res = from_recorddict(reply.content)
             (results if res.status.code == Code.OK else failures).append((proxy, res))
         else:
             failures.append(Exception(reply.error))
     answered = {reply.metadata.reply_to_message_id for reply in replies}
-    failures += [NoReply(f"node {proxy.node_id} sent no {message_type} reply within {timeout:g} s")
-                 for message_id, proxy in addressee.items() if message_id not in answered]
+    failures += [NoReply(f"node {proxy.node_id} sent no {sent.message_type} reply within {sent.timeout:g} s")
+                 for message_id, proxy in sent.addressee.items() if message_id not in answered]
     return results, failures
+
+
+def exchange(grid: PollingGrid, instructions: list[tuple[ClientProxy, object]], message_type: str,
+             server_round: int, timeout: float) -> tuple[list, list]:
+    """``send``, then ``collect``: the replies within ``timeout`` seconds."""
+    return collect(send(grid, instructions, message_type, server_round, timeout))
+
+
+@dataclass
+class SentEvaluation:
+    """A round's evaluation on its way: what ``RoundLoop`` still needs to record it."""
+
+    sent: Sent
+    server_round: int
+    preflight: bool  # it carries the preflight: any client error ends the run
+    started: float  # time.perf_counter() at the push
 
 
 FIRST_ROUND = 1  # Flower's number of a run's first round: the preflight belongs to it
@@ -101,24 +148,34 @@ class RoundLoop:
         self.strategy, self.run, self.federation, self.secure_fit = strategy, run, federation, secure_fit
         self.saved_round = strategy.completed_round
         self.wire = WireMeter()
+        # The last round's record, evaluation and traffic, while its evaluation runs ahead of this
+        # round's first message (overlap-evaluation); recorded when this round's fit ends.
+        self.overlapped: tuple[dict, SentEvaluation, WireMeter] | None = None
 
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         grid = NodeNamedErrors(MeteredGrid(grid, self.wire))
         current = current_round(legacy)
-        if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
-            self.first_round(grid, legacy)
-        if self.secure_fit is not None:
-            self.secure_fit(grid, legacy)
-        else:
-            self._plain_fit(grid, legacy, current)
-        state = self.strategy.state_dict()
-        round_number = self.strategy.round_number(current)
-        if state["round"] != round_number:
-            raise RoundFailed(f"round {round_number}: no update was aggregated "
-                              "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
-        last = round_number == self.federation.num_server_rounds
-        if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
-            self.save(state, final=last)
+        # An overlapped evaluation is still running ahead of this round's first message on each node.
+        queued_s = max(0.0, self.overlapped[1].sent.deadline - time.monotonic()) if self.overlapped else 0.0
+        try:
+            if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
+                self.first_round(grid, legacy)
+            if self.secure_fit is not None:
+                self.secure_fit(QueuedGrid(grid, queued_s), legacy)
+            else:
+                self._plain_fit(grid, legacy, current, queued_s)
+            state = self.strategy.state_dict()
+            round_number = self.strategy.round_number(current)
+            if state["round"] != round_number:
+                raise RoundFailed(f"round {round_number}: no update was aggregated "
+                                  "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
+            last = round_number == self.federation.num_server_rounds
+            if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
+                self.save(state, final=last)
+        finally:  # the previous round's record, however this round ended
+            if self.overlapped:
+                overlapped, self.overlapped = self.overlapped, None
+                self.record(*overlapped)
 
     def first_round(self, grid: Grid, legacy: LegacyContext) -> None:
         """Before round 1 of this run: the preflight, then (fresh runs) the evaluation of the
@@ -145,11 +202,25 @@ class RoundLoop:
         self.strategy.check_preflight(FIRST_ROUND, results, failures)
 
     def evaluate(self, grid: Grid, legacy: LegacyContext) -> None:
+        """Evaluate the round's global adapter and record the round. With ``overlap-evaluation``,
+        in a deployment, before the last round: push the evaluation and return, so that the next
+        round's first message waits on each node behind it; ``fit`` records this round once that
+        round has ended."""
+        current = current_round(legacy)
         record = dict(self.strategy.state_dict()["last_round"])
-        if evaluation := self.evaluate_round(NodeNamedErrors(MeteredGrid(grid, self.wire)), legacy,
-                                             current_round(legacy)):
-            record["evaluate"] = evaluation
-        record["wire"] = self.wire.take()
+        evaluation = self.send_evaluation(NodeNamedErrors(MeteredGrid(grid, self.wire)), legacy, current)
+        more = self.strategy.round_number(current) < self.federation.num_server_rounds
+        if evaluation and more and self.federation.overlap_evaluation and not isinstance(grid, InMemoryGrid):
+            self.overlapped = (record, evaluation, self.wire)
+            self.wire = WireMeter()  # the next round's traffic is the next record's
+            return
+        self.record(record, evaluation, self.wire)
+
+    def record(self, record: dict, evaluation: SentEvaluation | None, wire: WireMeter) -> None:
+        """Append the round's ``metrics.jsonl`` record, with its evaluation when one was sent, and log it."""
+        if evaluation and (metrics := self.finish_evaluation(evaluation)):
+            record["evaluate"] = metrics
+        record["wire"] = wire.take()
         self.run.append_metrics(record)
         self.run.plot()
         log(INFO, "%s", progress_line(record, self.federation.num_server_rounds))
@@ -159,31 +230,44 @@ class RoundLoop:
         self.saved_round = int(state["round"])
         log(INFO, "round %s: adapter %s saved", self.saved_round, saved)
 
-    def _plain_fit(self, grid: Grid, legacy: LegacyContext, current: int) -> None:
+    def _plain_fit(self, grid: Grid, legacy: LegacyContext, current: int, queued_s: float) -> None:
         parameters = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         instructions = self.strategy.configure_fit(current, parameters, legacy.client_manager)
-        results, failures = exchange(grid, instructions, MessageType.TRAIN, current, self.federation.fit_timeout)
+        results, failures = exchange(grid, instructions, MessageType.TRAIN, current,
+                                     self.federation.fit_timeout + queued_s)
         aggregated, metrics = self.strategy.aggregate_fit(current, results, failures)
         legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(aggregated, True)
         legacy.history.add_metrics_distributed_fit(server_round=current, metrics=metrics)
 
-    def evaluate_round(self, grid: Grid, legacy: LegacyContext, server_round: int, preflight: bool = False) -> dict:
-        """Evaluate the current global adapter on the connected clients' held-out prompts, with a
-        deadline; the aggregated metrics ({} when none was due or nobody answered). With
-        ``preflight`` the evaluation carries the preflight, and any client error ends the run as
-        the preflight's would: before anything trains."""
+    def send_evaluation(self, grid: PollingGrid, legacy: LegacyContext, server_round: int,
+                        preflight: bool = False) -> SentEvaluation | None:
+        """Push the current global adapter to the connected clients for evaluation on their
+        held-out prompts (None when none is due this round). With ``preflight`` the evaluation
+        carries the preflight."""
         parameters = compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True)
         instructions = self.strategy.configure_evaluate(server_round, parameters, legacy.client_manager,
                                                         preflight=preflight)
         if not instructions:
-            return {}
-        start = time.perf_counter()
-        results, failures = exchange(grid, instructions, MessageType.EVALUATE, server_round,
-                                     self.federation.evaluate_timeout)
-        if preflight:
+            return None
+        started = time.perf_counter()
+        return SentEvaluation(send(grid, instructions, MessageType.EVALUATE, server_round,
+                                   self.federation.evaluate_timeout), server_round, preflight, started)
+
+    def finish_evaluation(self, evaluation: SentEvaluation) -> dict:
+        """The aggregated metrics of a sent evaluation ({} when nobody answered by its deadline).
+        One that carries the preflight ends the run on any client error, as the preflight would:
+        before anything trains."""
+        results, failures = collect(evaluation.sent)
+        if evaluation.preflight:
             self.strategy.check_preflight(FIRST_ROUND, results, failures)
-        _, metrics = self.strategy.aggregate_evaluate(server_round, results, failures)
-        return {**metrics, "seconds": time.perf_counter() - start} if metrics else {}
+        _, metrics = self.strategy.aggregate_evaluate(evaluation.server_round, results, failures)
+        return {**metrics, "seconds": time.perf_counter() - evaluation.started} if metrics else {}
+
+    def evaluate_round(self, grid: PollingGrid, legacy: LegacyContext, server_round: int,
+                       preflight: bool = False) -> dict:
+        """Evaluate the current global adapter now: ``send_evaluation`` and ``finish_evaluation``."""
+        evaluation = self.send_evaluation(grid, legacy, server_round, preflight)
+        return self.finish_evaluation(evaluation) if evaluation else {}
 
 
 def progress_line(record: dict, rounds: int) -> str:

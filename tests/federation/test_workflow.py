@@ -54,7 +54,7 @@ def first_round(clients: dict, cids: list[str], tmp_path, monkeypatch, **federat
     would; returns the message types sent and the run directory's records."""
     sent: list[str] = []
 
-    def exchange(grid, instructions, message_type, server_round, timeout):
+    def send(grid, instructions, message_type, server_round, timeout):  # answered at once; collect returns it
         results, failures = [], []
         for proxy, ins in instructions:
             sent.append(message_type)
@@ -70,7 +70,8 @@ def first_round(clients: dict, cids: list[str], tmp_path, monkeypatch, **federat
                                                 f"partition {client.partition_id}: {describe(error)}")))
         return results, failures
 
-    monkeypatch.setattr(workflow, "exchange", exchange)
+    monkeypatch.setattr(workflow, "send", send)
+    monkeypatch.setattr(workflow, "collect", lambda sent: sent)
     run_config = parse_run_config({**FEDERATION, "output-dir": str(tmp_path), **federation})
     initial = clients["0"].adapters.get_arrays()
     strategy = FedProxAdapters(run_config.federation, initial, local_iterations=1)
