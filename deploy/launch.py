@@ -94,15 +94,9 @@ def kill_processes_with_env(key: str, value: str, grace: float = 5.0) -> None:
     kill_processes(processes_with_env(key, value), grace)
 
 
-# How often a SuperExec looks for a task to launch (Flower's default: every 1 s, which each
-# message's ClientApp process then waits half of on average). An operator's setting, kept when set.
-SUPEREXEC_POLL_S = "0.1"
-
-
 def base_env(flwr_home: Path, marker: str) -> dict[str, str]:
     """Offline, quiet, isolated: no dependency installs, update checks or telemetry."""
     return {
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S,
         **os.environ,
         "FLWR_HOME": str(flwr_home),
         MARKER: marker,

@@ -22,9 +22,9 @@ message. The steps here replace them:
   pushes the evaluation, returns, and pushes the next round's first message at once: each node
   finds it waiting when its evaluation is done. That first stage's deadline grows by what the
   evaluation may still take (``grid.QueuedGrid``), and the round's record is written, in order,
-  once the next round's fit has ended (or failed). Not in simulation: Flower's simulation runs
-  two messages for one node at once and keeps only the node state of whichever ends last, which
-  would lose SecAgg+'s.
+  once the next round's fit has ended (or failed). Not in simulation: Flower's simulation may run
+  two messages for one node at once, and it keeps the node state of whichever ends last, which
+  could lose SecAgg+'s.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
   round with the reason instead of passing silently. Its own deadline is ``secagg.timeout``.
 
@@ -138,8 +138,8 @@ class RoundLoop:
     Args:
         strategy: the federation's strategy; its ``state_dict()`` is what gets checkpointed.
         run: the run directory that receives checkpoints and ``metrics.jsonl`` records.
-        federation: cadences (``evaluate-every``, ``save-every``) and deadlines (``fit-timeout``,
-            ``evaluate-timeout``).
+        federation: cadences (``evaluate-every``, ``save-every``), deadlines (``fit-timeout``,
+            ``evaluate-timeout``) and ``overlap-evaluation``.
         secure_fit: the SecAgg+ fit workflow; None fits in the clear.
     """
 
@@ -155,8 +155,10 @@ class RoundLoop:
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         grid = NodeNamedErrors(MeteredGrid(grid, self.wire))
         current = current_round(legacy)
-        # An overlapped evaluation is still running ahead of this round's first message on each node.
-        queued_s = max(0.0, self.overlapped[1].sent.deadline - time.monotonic()) if self.overlapped else 0.0
+        queued_s = 0.0  # how long an overlapped evaluation may still run ahead of this round's first message
+        if self.overlapped:
+            _, evaluation, _ = self.overlapped
+            queued_s = max(0.0, evaluation.sent.deadline - time.monotonic())
         try:
             if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
                 self.first_round(grid, legacy)
