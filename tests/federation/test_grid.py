@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from flwr_verl.federation.grid import PollingGrid
+from flwr_verl.federation.grid import PollingGrid, QueuedGrid
 
 
 def reply(answers: str) -> SimpleNamespace:
@@ -50,3 +50,21 @@ def test_what_has_not_arrived_by_the_deadline_is_left_out_and_the_call_returns()
 def test_no_timeout_waits_until_the_last_reply():
     grid = SlowGrid([30])
     assert len(PollingGrid(grid).send_and_receive([object()], timeout=None)) == 1
+
+
+def test_a_queued_grid_gives_its_first_exchange_the_time_of_the_work_ahead_and_no_other():
+    """Behind an overlapped evaluation (up to 300 s more), the first stage's replies are due 300 s
+    later than its own timeout; the stages after it keep theirs; no timeout stays no timeout."""
+    deadlines = []
+
+    class Recorded(QueuedGrid):
+        def receive(self, message_ids, deadline):
+            deadlines.append(None if deadline is None else deadline - time.monotonic())
+            return []
+
+    grid = Recorded(SlowGrid([None]), queued_s=300.0)
+    for timeout in (60.0, 60.0):
+        grid.send_and_receive([object()], timeout=timeout)
+    assert 330 < deadlines[0] <= 360 and 30 < deadlines[1] <= 60  # generous below: a loaded machine
+    Recorded(SlowGrid([None]), queued_s=300.0).send_and_receive([object()], timeout=None)
+    assert deadlines[2] is None
