@@ -35,8 +35,8 @@ evaluation is over before the next round's first message goes out. Figures:
   stage's seconds and the ratios built on them include it; the goal's ratio is read on
   ``warm-sequential``, and ``overlap_saves_per_round_s`` is its ``cycle_s`` less ``warm``'s.
 
-Writes ``benchmarks/results/deployment.json`` (per engine: figures, per-round records, load
-average) and prints a table.
+Writes ``benchmarks/results/deployment.json`` (per arm: figures, per-round records, load
+average) and prints a line per arm.
 """
 
 from __future__ import annotations
