@@ -29,10 +29,12 @@ from collections.abc import Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.server import Grid
+from flwr.superlink.grid import InMemoryGrid
 
 FIRST_POLL_S = 0.005
 POLL_GROWTH = 1.5
-MAX_POLL_S = 0.25  # a long fit costs 4 pulls a second; a reply waits at most this long to be seen
+MAX_POLL_S = 0.25  # deployment: a long fit costs 4 pulls a second, each a request to the SuperLink
+MAX_POLL_IN_PROCESS_S = 0.02  # simulation (InMemoryGrid): a pull is a lookup in this process
 
 
 class PollingGrid(Grid):
@@ -44,6 +46,9 @@ class PollingGrid(Grid):
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
+        # The longest a reply may wait to be seen, set by the grid at the bottom of the wrappers.
+        self.max_poll_s = (grid.max_poll_s if isinstance(grid, PollingGrid)
+                           else MAX_POLL_IN_PROCESS_S if isinstance(grid, InMemoryGrid) else MAX_POLL_S)
 
     def set_run(self, run_id: int) -> None:
         self.grid.set_run(run_id)
@@ -87,7 +92,7 @@ class PollingGrid(Grid):
             if remaining <= 0:
                 return replies
             time.sleep(min(interval, remaining))
-            interval = min(interval * POLL_GROWTH, MAX_POLL_S)
+            interval = min(interval * POLL_GROWTH, self.max_poll_s)
 
 
 class QueuedGrid(PollingGrid):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from flwr_verl.federation.grid import PollingGrid, QueuedGrid
 
 
@@ -68,3 +70,28 @@ def test_a_queued_grid_gives_its_first_exchange_the_time_of_the_work_ahead_and_n
     assert 330 < deadlines[0] <= 360 and 30 < deadlines[1] <= 60  # generous below: a loaded machine
     Recorded(SlowGrid([None]), queued_s=300.0).send_and_receive([object()], timeout=None)
     assert deadlines[2] is None
+
+
+def test_in_simulation_a_reply_waits_at_most_20_ms_to_be_seen_and_in_a_deployment_at_most_250(monkeypatch):
+    """A pull of Flower's in-process InMemoryGrid is a lookup; a deployment's is a request to the
+    SuperLink. The waits between pulls (what the grid asks ``time.sleep`` for) grow to 20 ms in
+    simulation and to 250 ms in a deployment, through a wrapper too."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    from flwr_verl.federation import grid as grid_module
+
+    class InMemorySlowGrid(SlowGrid, InMemoryGrid):
+        pass
+
+    waits: list[float] = []
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:  # a clock that advances by exactly what was asked
+        waits.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(grid_module, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+    for fake, longest in ((InMemorySlowGrid([None]), 0.02), (SlowGrid([None]), 0.25)):
+        waits.clear()
+        PollingGrid(PollingGrid(fake)).send_and_receive([object()], timeout=5)
+        assert max(waits) == pytest.approx(longest) and sum(waits) == pytest.approx(5)
