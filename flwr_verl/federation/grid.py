@@ -10,7 +10,8 @@ to 15 s around fits of a few seconds. Neither sleep has a setting.
 the grid's public ``push_messages`` and ``pull_messages``: it pulls at once, then after
 ``FIRST_POLL_S``, growing by ``POLL_GROWTH`` up to ``MAX_POLL_S``, so a reply that arrives within
 a second is seen within a few tens of milliseconds, and a long fit costs at most a few pulls a
-second (one small request to the SuperLink each). The server's other wrappers
+second (one small request to the SuperLink each). In simulation a pull is a lookup in the
+process's own state, so the waits stop growing at ``MAX_POLL_IN_PROCESS_S``. The server's other wrappers
 (``wire.MeteredGrid``, ``wire.NodeNamedErrors``) subclass it and override only what they change.
 
 What the server cannot shorten: a SuperNode with nothing to do asks the SuperLink for a message
