@@ -47,9 +47,9 @@ class PollingGrid(Grid):
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
-        # The longest a reply may wait to be seen, set by the grid at the bottom of the wrappers.
-        self.max_poll_s = (grid.max_poll_s if isinstance(grid, PollingGrid)
-                           else MAX_POLL_IN_PROCESS_S if isinstance(grid, InMemoryGrid) else MAX_POLL_S)
+        # Flower's simulation (its InMemoryGrid at the bottom of the wrappers), or a deployment.
+        self.in_process = grid.in_process if isinstance(grid, PollingGrid) else isinstance(grid, InMemoryGrid)
+        self.max_poll_s = MAX_POLL_IN_PROCESS_S if self.in_process else MAX_POLL_S  # the longest a reply waits unseen
 
     def set_run(self, run_id: int) -> None:
         self.grid.set_run(run_id)

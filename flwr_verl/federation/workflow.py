@@ -49,7 +49,6 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
-from flwr.superlink.grid import InMemoryGrid
 
 from flwr_verl.config import FederationConfig
 from flwr_verl.federation.grid import PollingGrid, QueuedGrid
@@ -210,9 +209,10 @@ class RoundLoop:
         round has ended."""
         current = current_round(legacy)
         record = dict(self.strategy.state_dict()["last_round"])
-        evaluation = self.send_evaluation(NodeNamedErrors(MeteredGrid(grid, self.wire)), legacy, current)
+        grid = NodeNamedErrors(MeteredGrid(grid, self.wire))
+        evaluation = self.send_evaluation(grid, legacy, current)
         more = self.strategy.round_number(current) < self.federation.num_server_rounds
-        if evaluation and more and self.federation.overlap_evaluation and not isinstance(grid, InMemoryGrid):
+        if evaluation and more and self.federation.overlap_evaluation and not grid.in_process:
             self.overlapped = (record, evaluation, self.wire)
             self.wire = WireMeter()  # the next round's traffic is the next record's
             return
