@@ -22,7 +22,7 @@ message. The steps here replace them:
   pushes the evaluation, returns, and pushes the next round's first message at once: each node
   finds it waiting when its evaluation is done. That first stage's deadline grows by what the
   evaluation may still take (``grid.QueuedGrid``), and the round's record is written, in order,
-  once the next round's fit has ended (or failed). Not in simulation: Flower's simulation may run
+  once the next round's fit has ended (or failed), before that round's checkpoint. Not in simulation: Flower's simulation may run
   two messages for one node at once, and it keeps the node state of whichever ends last, which
   could lose SecAgg+'s.
 - ``CheckedSecAggPlusWorkflow``: Flower's SecAgg+ fit, except that a halted protocol fails the
@@ -165,18 +165,18 @@ class RoundLoop:
                 self.secure_fit(QueuedGrid(grid, queued_s), legacy)
             else:
                 self._plain_fit(grid, legacy, current, queued_s)
-            state = self.strategy.state_dict()
-            round_number = self.strategy.round_number(current)
-            if state["round"] != round_number:
-                raise RoundFailed(f"round {round_number}: no update was aggregated "
-                                  "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
-            last = round_number == self.federation.num_server_rounds
-            if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
-                self.save(state, final=last)
-        finally:  # the previous round's record, however this round ended
-            if self.overlapped:
+        finally:  # the previous round's record, however this fit ended, and before this round's checkpoint:
+            if self.overlapped:  # resume restores a checkpoint's own record, not the one before it
                 overlapped, self.overlapped = self.overlapped, None
                 self.record(*overlapped)
+        state = self.strategy.state_dict()
+        round_number = self.strategy.round_number(current)
+        if state["round"] != round_number:
+            raise RoundFailed(f"round {round_number}: no update was aggregated "
+                              "(under SecAgg+: too few clients completed the protocol; see the clients' logs)")
+        last = round_number == self.federation.num_server_rounds
+        if last or round_number % self.federation.save_every == 0:  # checkpoint first: resume trusts it
+            self.save(state, final=last)
 
     def first_round(self, grid: Grid, legacy: LegacyContext) -> None:
         """Before round 1 of this run: the preflight, then (fresh runs) the evaluation of the

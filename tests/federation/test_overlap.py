@@ -19,6 +19,8 @@ from flwr.superlink.grid import InMemoryGrid
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from federation_wire import LoopbackGrid, measure_wire  # noqa: E402
 
+from flwr_verl.federation.rundir import RunDirectory  # noqa: E402
+
 RUN = {"num-server-rounds": 3, "min-fit-clients": 3, "min-evaluate-clients": 3, "min-available-clients": 3,
        "data.train_size": 32, "data.val_size": 8, "data.train_batch_size": 8, "rollout.n": 2,
        "rollout.response_length": 6, "actor.ppo_mini_batch_size": 4, "trainer.local_iterations": 1,
@@ -57,31 +59,48 @@ def last(events: list, *event) -> int:
 
 @pytest.fixture(scope="module")
 def runs():
+    """Per schedule: the grid's events, and the records and checkpoints written, in order."""
     out = {}
     for name, grid, overlap in (("overlap", LoopbackGrid, True), ("sequential", LoopbackGrid, False),
                                 ("simulation", SimulationGrid, True)):
         grid_class, events = recording(grid)
-        _, records = measure_wire({**RUN, "overlap-evaluation": overlap}, num_clients=3, grid_class=grid_class)
-        out[name] = events, records
+        writes: list[tuple[str, int]] = []
+        append, save = RunDirectory.append_metrics, RunDirectory.save
+
+        def appended(run, record, writes=writes):
+            writes.append(("record", record["round"]))
+            return append(run, record)
+
+        def saved(run, state, final, writes=writes):
+            writes.append(("checkpoint", state["round"]))
+            return save(run, state, final)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RunDirectory, "append_metrics", appended)
+            patch.setattr(RunDirectory, "save", saved)
+            _, records = measure_wire({**RUN, "overlap-evaluation": overlap}, num_clients=3, grid_class=grid_class)
+        out[name] = events, records, writes
     return out
 
 
 def test_the_next_rounds_setup_goes_out_before_the_evaluations_replies_are_collected(runs):
-    events, _ = runs["overlap"]
+    events, _, writes = runs["overlap"]
     for evaluated in (1, 2):  # round 3 is the last: its evaluation has nothing to overlap
         assert first(events, "push", "train", evaluated + 1) < first(events, "pull", "evaluate", evaluated)
+        # Its record is still written before the next round's checkpoint, which resume trusts.
+        assert writes.index(("record", evaluated)) < writes.index(("checkpoint", evaluated + 1))
 
 
 @pytest.mark.parametrize("name", ["sequential", "simulation"])
 def test_without_overlap_each_evaluation_is_collected_before_the_next_round_starts(runs, name):
-    events, _ = runs[name]
+    events, _, _ = runs[name]
     for evaluated in (1, 2):
         assert last(events, "pull", "evaluate", evaluated) < first(events, "push", "train", evaluated + 1)
 
 
 def test_overlap_changes_when_messages_go_not_what_is_computed_or_recorded(runs):
-    _, overlapped = runs["overlap"]
-    _, sequential = runs["sequential"]
+    _, overlapped, _ = runs["overlap"]
+    _, sequential, _ = runs["sequential"]
     assert [r["round"] for r in overlapped] == [0, 1, 2, 3]
     for with_overlap, without in zip(overlapped, sequential, strict=True):
         assert with_overlap["round"] == without["round"]
