@@ -75,7 +75,12 @@ class Sent:
     message_type: str
     addressee: dict[str, ClientProxy]  # message id -> the client it went to
     timeout: float
-    deadline: float  # time.monotonic()
+    pushed_at: float  # time.monotonic()
+
+    @property
+    def deadline(self) -> float:
+        """When the replies are due (``time.monotonic()``)."""
+        return self.pushed_at + self.timeout
 
 
 def send(grid: PollingGrid, instructions: list[tuple[ClientProxy, object]], message_type: str, server_round: int,
@@ -85,11 +90,12 @@ def send(grid: PollingGrid, instructions: list[tuple[ClientProxy, object]], mess
     to_recorddict, _ = CONVERTERS[message_type]
     messages = [Message(content=to_recorddict(ins), dst_node_id=proxy.node_id, message_type=message_type,
                         group_id=str(server_round)) for proxy, ins in instructions]
+    pushed_at = time.monotonic()
     ids = grid.push_messages(messages)
     # Replies are matched by the message they answer, not by sender: the SuperLink itself sends
     # the "node unavailable" error for a node that died.
     return Sent(grid, message_type, dict(zip(ids, (proxy for proxy, _ in instructions), strict=True)), timeout,
-                time.monotonic() + timeout)
+                pushed_at)
 
 
 def collect(sent: Sent) -> tuple[list, list]:
@@ -125,7 +131,16 @@ class SentEvaluation:
     sent: Sent
     server_round: int
     preflight: bool  # it carries the preflight: any client error ends the run
-    started: float  # time.perf_counter() at the push
+
+
+@dataclass
+class OverlappedRound:
+    """A round whose evaluation runs ahead of the next round's first message
+    (``overlap-evaluation``): recorded once that next round's fit has ended."""
+
+    record: dict  # the strategy's record of the round's fit
+    evaluation: SentEvaluation
+    wire: WireMeter  # the round's own traffic
 
 
 FIRST_ROUND = 1  # Flower's number of a run's first round: the preflight belongs to it
@@ -147,28 +162,24 @@ class RoundLoop:
         self.strategy, self.run, self.federation, self.secure_fit = strategy, run, federation, secure_fit
         self.saved_round = strategy.completed_round
         self.wire = WireMeter()
-        # The last round's record, evaluation and traffic, while its evaluation runs ahead of this
-        # round's first message (overlap-evaluation); recorded when this round's fit ends.
-        self.overlapped: tuple[dict, SentEvaluation, WireMeter] | None = None
+        self.overlapped: OverlappedRound | None = None  # the last round, while its evaluation runs ahead
 
     def fit(self, grid: Grid, legacy: LegacyContext) -> None:
         grid = NodeNamedErrors(MeteredGrid(grid, self.wire))
         current = current_round(legacy)
-        queued_s = 0.0  # how long an overlapped evaluation may still run ahead of this round's first message
-        if self.overlapped:
-            _, evaluation, _ = self.overlapped
-            queued_s = max(0.0, evaluation.sent.deadline - time.monotonic())
+        # How long an overlapped evaluation may still run ahead of this round's first message.
+        queued_s = max(0.0, self.overlapped.evaluation.sent.deadline - time.monotonic()) if self.overlapped else 0.0
         try:
             if current == FIRST_ROUND:  # the first round of this run, fresh or resumed
                 self.first_round(grid, legacy)
             if self.secure_fit is not None:
-                self.secure_fit(QueuedGrid(grid, queued_s), legacy)
+                self.secure_fit(QueuedGrid(grid, queued_s) if queued_s else grid, legacy)
             else:
                 self._plain_fit(grid, legacy, current, queued_s)
         finally:  # the previous round's record, however this fit ended, and before this round's checkpoint:
             if self.overlapped:  # resume restores a checkpoint's own record, not the one before it
                 overlapped, self.overlapped = self.overlapped, None
-                self.record(*overlapped)
+                self.record(overlapped.record, overlapped.evaluation, overlapped.wire)
         state = self.strategy.state_dict()
         round_number = self.strategy.round_number(current)
         if state["round"] != round_number:
@@ -213,7 +224,7 @@ class RoundLoop:
         evaluation = self.send_evaluation(grid, legacy, current)
         more = self.strategy.round_number(current) < self.federation.num_server_rounds
         if evaluation and more and self.federation.overlap_evaluation and not grid.in_process:
-            self.overlapped = (record, evaluation, self.wire)
+            self.overlapped = OverlappedRound(record, evaluation, self.wire)
             self.wire = WireMeter()  # the next round's traffic is the next record's
             return
         self.record(record, evaluation, self.wire)
@@ -251,9 +262,8 @@ class RoundLoop:
                                                         preflight=preflight)
         if not instructions:
             return None
-        started = time.perf_counter()
         return SentEvaluation(send(grid, instructions, MessageType.EVALUATE, server_round,
-                                   self.federation.evaluate_timeout), server_round, preflight, started)
+                                   self.federation.evaluate_timeout), server_round, preflight)
 
     def finish_evaluation(self, evaluation: SentEvaluation) -> dict:
         """The aggregated metrics of a sent evaluation ({} when nobody answered by its deadline).
@@ -263,7 +273,7 @@ class RoundLoop:
         if evaluation.preflight:
             self.strategy.check_preflight(FIRST_ROUND, results, failures)
         _, metrics = self.strategy.aggregate_evaluate(evaluation.server_round, results, failures)
-        return {**metrics, "seconds": time.perf_counter() - evaluation.started} if metrics else {}
+        return {**metrics, "seconds": time.monotonic() - evaluation.sent.pushed_at} if metrics else {}
 
     def evaluate_round(self, grid: PollingGrid, legacy: LegacyContext, server_round: int,
                        preflight: bool = False) -> dict:

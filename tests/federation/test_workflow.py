@@ -6,6 +6,8 @@ trains, with the preflight's own message."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import flwr.compat.common.recorddict_compat as compat
@@ -54,7 +56,11 @@ def first_round(clients: dict, cids: list[str], tmp_path, monkeypatch, **federat
     would; returns the message types sent and the run directory's records."""
     sent: list[str] = []
 
-    def send(grid, instructions, message_type, server_round, timeout):  # answered at once; collect returns it
+    @dataclass
+    class Answered(workflow.Sent):  # answered at once: collect returns its replies
+        replies: tuple = ()
+
+    def send(grid, instructions, message_type, server_round, timeout):
         results, failures = [], []
         for proxy, ins in instructions:
             sent.append(message_type)
@@ -68,10 +74,10 @@ def first_round(clients: dict, cids: list[str], tmp_path, monkeypatch, **federat
             except Exception as error:  # as flwr_verl.federation.mods.concise_errors replies
                 failures.append(Exception(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                                 f"partition {client.partition_id}: {describe(error)}")))
-        return results, failures
+        return Answered(grid, message_type, {}, timeout, time.monotonic(), replies=(results, failures))
 
     monkeypatch.setattr(workflow, "send", send)
-    monkeypatch.setattr(workflow, "collect", lambda sent: sent)
+    monkeypatch.setattr(workflow, "collect", lambda sent: sent.replies)
     run_config = parse_run_config({**FEDERATION, "output-dir": str(tmp_path), **federation})
     initial = clients["0"].adapters.get_arrays()
     strategy = FedProxAdapters(run_config.federation, initial, local_iterations=1)
