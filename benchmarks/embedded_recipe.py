@@ -62,8 +62,10 @@ def build(builds: Path, recipe: dict) -> Path:
     return out
 
 
-def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int) -> argparse.Namespace:
-    return argparse.Namespace(model_path=str(model_path), rollout_n=n, train_size=2048, train_batch_size=batch,
+def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int,
+             temperature: float) -> argparse.Namespace:
+    return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, train_size=2048,
+                              train_batch_size=batch,
                               mini_batch_size=batch, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
                               local_iterations=local_iterations, iterations=ROUNDS * local_iterations, clients=3,
                               proximal_mu=0.01)
@@ -73,10 +75,11 @@ def _one(task: tuple) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    name, model_path, lr, n, batch, local_iterations, epsilon, seed = task
-    result = run(job_args(Path(model_path), lr, n, batch, local_iterations), epsilon, seed,
+    name, model_path, lr, n, batch, local_iterations, temperature, epsilon, seed = task
+    result = run(job_args(Path(model_path), lr, n, batch, local_iterations, temperature), epsilon, seed,
                  harness.validation_problems(0, "tune"))
-    return {"candidate": name, "lr": lr, "n": n, "batch": batch, "local_iterations": local_iterations, **result}
+    return {"candidate": name, "lr": lr, "n": n, "batch": batch, "local_iterations": local_iterations,
+            "temperature": temperature, **result}
 
 
 def main() -> None:
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
     parser.add_argument("--batches", default="64", help="comma-separated data.train_batch_size values (one update each)")
     parser.add_argument("--local-iterations", default="10", help="comma-separated trainer.local_iterations values")
+    parser.add_argument("--temperatures", default="1.0", help="comma-separated rollout.temperature values")
     parser.add_argument("--epsilon", type=float, default=7.21,
                         help="every arm's epsilon at delta 1e-5 (the noise follows); 7.21 is the default job's")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
@@ -108,8 +112,9 @@ def main() -> None:
             for lr in (float(x) for x in args.lrs.split(",")):
                 for n, batch, local in itertools.product(*(map(int, values.split(",")) for values in (
                         args.ns, args.batches, args.local_iterations))):
-                    tasks += [(path.name, str(path), lr, n, batch, local, args.epsilon, int(seed))
-                              for seed in args.seeds.split(",")]
+                    for temperature in (float(t) for t in args.temperatures.split(",")):
+                        tasks += [(path.name, str(path), lr, n, batch, local, temperature, args.epsilon, int(seed))
+                                  for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
     import multiprocessing
@@ -119,19 +124,20 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, task) for task in tasks]):
             r = future.result()
             runs.append(r)
-            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} batch {r['batch']} x {r['local_iterations']} "
+            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} batch {r['batch']} x {r['local_iterations']} "
                   f"(sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
                   f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
                   f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
-    print("candidate | actor.lr | rollout.n | batch x local iterations | round 0 | last round, median (range) | "
-          "rise, median (range)")
+    print("candidate | actor.lr | rollout.n | rollout.temperature | batch x local iterations | round 0 | "
+          "last round, median (range) | rise, median (range)")
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["candidate"], r["lr"], r["n"], r["batch"], r["local_iterations"]), []).append(r)
-    for (name, lr, n, batch, local), items in sorted(groups.items()):
+        groups.setdefault((r["candidate"], r["lr"], r["n"], r["temperature"], r["batch"], r["local_iterations"]),
+                          []).append(r)
+    for (name, lr, n, temperature, batch, local), items in sorted(groups.items()):
         finals = harness.spread([r["final_reward"] for r in items])
         rises = harness.spread([r["final_reward"] - r["initial_reward"] for r in items])
-        print(f"{name} | {lr:g} | {n} | {batch} x {local} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
+        print(f"{name} | {lr:g} | {n} | {temperature:g} | {batch} x {local} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
               f"{harness.format_spread(rises, '+.3f')}")
     previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
     harness.write_json(args.out, {"runs": previous + runs, "seconds": time.perf_counter() - started})
