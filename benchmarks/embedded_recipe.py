@@ -22,6 +22,16 @@ At one epsilon a larger batch buys more signal than noise (sigma 0.65 at 64 x 80
 at 256 x 24: signal / noise 98 -> 297 prompts per unit of noise), so the default job is now 256 x 3
 at 1e-2, for 1.2x the rollouts.
 
+On 2026-12-06 (tune split, batch 256 x 3, n 4 unless said; seeds 0-2, five where said), rollout
+temperature and lr: at 1e-2, T 1.0 +0.181 (+0.165 to +0.185), 0.8 +0.185, 0.7 +0.210, 0.6 +0.210,
+0.5 +0.218; n 8 at 1e-2: T 0.7 +0.206, 1.0 +0.202, 1.3 +0.198 (2x the compute); T 0.7 at 7e-3
++0.181, 1.5e-2 +0.226, 2e-2 +0.218; T 0.5 at 1.5e-2 +0.198 (five seeds, +0.173 to +0.251), 2e-2
+**+0.226** (five seeds, +0.206 to +0.255), 3e-2 diverged (-0.181 to +0.107); T 0.35 at 2e-2
++0.235. The best arm, T 0.5 at 2e-2, was then run as the real default job on a fresh clone
+(cabbbca, ``default_job.py --runs 3``): validation rise +0.136 (+0.120 to +0.240), no better than
+the shipped recipe's +0.146, its last rounds swinging by up to 0.08 between rounds (the larger
+step under the same noise). Not adopted: the default job stays at T 1.0 and 1e-2.
+
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
