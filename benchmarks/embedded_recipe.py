@@ -6,14 +6,15 @@ with it, never on the validation problems).
 
     python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
     python benchmarks/embedded_recipe.py --lrs 1e-2,2e-2 --batches 256 --local-iterations 3
+    python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --temperatures 0.5,1.0
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
 0.01; each arm sets the batch (``--batches``: ``data.train_batch_size``, one update an iteration),
-the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``) and ``rollout.n``
-(``--ns``), and gets the noise multiplier that spends ``--epsilon`` (7.21 at delta 1e-5, the
-default job's) over its 8 rounds. ``benchmarks/dp_utility.run`` emulates it (no Flower transport;
-SecAgg+ changes the sum by less than 1e-4); every seed draws other DP noise and batches, as a
-fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
+the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``), ``rollout.n``
+(``--ns``) and ``rollout.temperature`` (``--temperatures``), and gets the noise multiplier that
+spends ``--epsilon`` (7.21 at delta 1e-5, the default job's) over its 8 rounds.
+``benchmarks/dp_utility.run`` emulates it (no Flower transport; SecAgg+ changes the sum by less
+than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
 
 On 2026-12-05 (tune split, 3 seeds each, version 3's build): batch 64 x 10 at lr 6e-3 with n 8
 +0.173, at 9e-3 +0.177; batch 128 x 5 at 6e-3 +0.193, at 1.2e-2 +0.165; batch 256 x 5 at 6e-3
@@ -75,8 +76,7 @@ def build(builds: Path, recipe: dict) -> Path:
 def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int,
              temperature: float) -> argparse.Namespace:
     return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, train_size=2048,
-                              train_batch_size=batch,
-                              mini_batch_size=batch, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
+                              train_batch_size=batch, mini_batch_size=batch, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
                               local_iterations=local_iterations, iterations=ROUNDS * local_iterations, clients=3,
                               proximal_mu=0.01)
 
@@ -120,11 +120,11 @@ def main() -> None:
                 recipe["warm_start_lr"] = args.warm_start_lr
             path = build(args.builds, recipe)
             for lr in (float(x) for x in args.lrs.split(",")):
-                for n, batch, local in itertools.product(*(map(int, values.split(",")) for values in (
-                        args.ns, args.batches, args.local_iterations))):
-                    for temperature in (float(t) for t in args.temperatures.split(",")):
-                        tasks += [(path.name, str(path), lr, n, batch, local, temperature, args.epsilon, int(seed))
-                                  for seed in args.seeds.split(",")]
+                for n, batch, local, temperature in itertools.product(
+                        *(map(int, values.split(",")) for values in (args.ns, args.batches, args.local_iterations)),
+                        map(float, args.temperatures.split(","))):
+                    tasks += [(path.name, str(path), lr, n, batch, local, temperature, args.epsilon, int(seed))
+                              for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
     import multiprocessing
