@@ -212,6 +212,28 @@ def patch_vce_polling(interval: float) -> None:
     vce_api.add_messages_to_queue = add_messages_to_queue
 
 
+def start_ray(init_args: dict, attempts: int = 3) -> None:
+    """Start Ray as Flower's ``RayBackend.init_ray`` would, before ``run_simulation`` (which then
+    reuses it). Ray gives a new node a fixed 30 s to register its raylet; a loaded 2-core machine
+    can miss that, and Flower's simulation then hangs instead of exiting. Here a start that timed
+    out is shut down and tried again, and the last failure is raised, so the child exits at once."""
+    import ray
+
+    # Ray's workers import the ClientApp: they need this process's sys.path, as Flower gives them.
+    pythonpath = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = pythonpath
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+            return
+        except Exception as error:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(error) or attempt == attempts:
+                raise
+            print(f"secagg_harness: Ray did not start within its 30 s (attempt {attempt} of {attempts}); "
+                  "trying again", flush=True)
+            ray.shutdown()
+
+
 def child_main(spec_path: str, result_path: str) -> None:
     """Runs in the child process: one ``run_simulation`` through all phases of ``spec``."""
     import logging
@@ -225,15 +247,13 @@ def child_main(spec_path: str, result_path: str) -> None:
         patch_vce_polling(spec["vce_poll_interval"])
     results: dict = {"phases": []}
     start = time.perf_counter()
+    start_ray({"num_cpus": spec.get("ray_cpus", 2), "num_gpus": 0, "_node_ip_address": "127.0.0.1",
+               "include_dashboard": False, "logging_level": "ERROR", "log_to_driver": True,
+               "object_store_memory": spec.get("object_store_bytes", 2 * 2**30)})
     run_simulation(
         server_app=make_server_app(spec, results), client_app=client_app,
         num_supernodes=spec["num_supernodes"],
-        backend_config={
-            "client_resources": {"num_cpus": spec.get("client_cpus", 1), "num_gpus": 0.0},
-            "init_args": {"num_cpus": spec.get("ray_cpus", 2), "num_gpus": 0, "_node_ip_address": "127.0.0.1",
-                          "include_dashboard": False, "logging_level": "ERROR", "log_to_driver": True,
-                          "object_store_memory": spec.get("object_store_bytes", 2 * 2**30)},
-        },
+        backend_config={"client_resources": {"num_cpus": spec.get("client_cpus", 1), "num_gpus": 0.0}},
     )
     results["simulation_seconds"] = time.perf_counter() - start
     with open(result_path, "wb") as handle:
