@@ -30,8 +30,9 @@ temperature and lr: at 1e-2, T 1.0 +0.181 (+0.165 to +0.185), 0.8 +0.185, 0.7 +0
 **+0.226** (five seeds, +0.206 to +0.255), 3e-2 diverged (-0.181 to +0.107); T 0.35 at 2e-2
 +0.235. The best arm, T 0.5 at 2e-2, was then run as the real default job on a fresh clone
 (cabbbca, ``default_job.py --runs 3``): validation rise +0.136 (+0.120 to +0.240), no better than
-the shipped recipe's +0.146, its last rounds swinging by up to 0.08 between rounds (the larger
-step under the same noise). Not adopted: the default job stays at T 1.0 and 1e-2.
+the shipped recipe's +0.188 (+0.146 to +0.193; 6bdae50, the same machine and day), its last
+rounds swinging by up to 0.08 between rounds (the larger step under the same noise). Not adopted:
+the default job stays at T 1.0 and 1e-2.
 
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
