@@ -372,3 +372,40 @@ def test_ray_listens_on_loopback_only_and_is_cleaned_up(flower):
         mapped = getattr(address, "ipv4_mapped", None)
         assert (mapped or address).is_loopback, socket
     assert results["leftover_pids"] == []
+
+
+def test_a_ray_start_that_misses_rays_30_s_is_tried_again_and_any_other_failure_is_raised(monkeypatch):
+    """``secagg_harness.start_ray``: on a loaded machine Ray's raylet can miss Ray's fixed 30 s to
+    register, and Flower's simulation then hangs. That failure is shut down and tried again; the
+    third one, or any other error, is raised at once."""
+    import ray
+
+    harness = _benchmark_modules()[0]
+    timed_out = Exception("The current node timed out during startup. This could happen because ...")
+    calls: list[str] = []
+
+    def init_failing(errors):
+        def init(**kwargs):
+            calls.append("init")
+            assert kwargs["num_cpus"] == 2 and "PYTHONPATH" in kwargs["runtime_env"]["env_vars"]
+            if errors:
+                raise errors.pop(0)
+        return init
+
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setenv("PYTHONPATH", "")  # start_ray sets it, as Flower does
+    monkeypatch.setattr(ray, "init", init_failing([timed_out, timed_out]))
+    harness.start_ray({"num_cpus": 2})
+    assert calls == ["init", "shutdown", "init", "shutdown", "init"]
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init_failing([timed_out] * 3))
+    with pytest.raises(Exception, match="timed out during startup"):
+        harness.start_ray({"num_cpus": 2})
+    assert calls == ["init", "shutdown", "init", "shutdown", "init"]
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init_failing([ValueError("bad argument")]))
+    with pytest.raises(ValueError, match="bad argument"):
+        harness.start_ray({"num_cpus": 2})
+    assert calls == ["init"]
