@@ -14,7 +14,8 @@ the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``),
 (``--ns``) and ``rollout.temperature`` (``--temperatures``), and gets the noise multiplier that
 spends ``--epsilon`` (7.21 at delta 1e-5, the default job's) over its 8 rounds.
 ``benchmarks/dp_utility.run`` emulates it (no Flower transport; SecAgg+ changes the sum by less
-than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does. The accuracy is greedy exact match on every tune problem.
+than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does.
+The accuracy is greedy exact match on every tune problem.
 
 On 2026-12-05 (tune split, 3 seeds each, version 3's build): batch 64 x 10 at lr 6e-3 with n 8
 +0.173, at 9e-3 +0.177; batch 128 x 5 at 6e-3 +0.193, at 1.2e-2 +0.165; batch 256 x 5 at 6e-3
@@ -77,9 +78,9 @@ def build(builds: Path, recipe: dict) -> Path:
 def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int,
              temperature: float) -> argparse.Namespace:
     return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, train_size=2048,
-                              train_batch_size=batch, mini_batch_size=batch, lr=lr, ppo_epochs=1, max_grad_norm=1.0, baseline_lr=0,
-                              local_iterations=local_iterations, iterations=ROUNDS * local_iterations, clients=3,
-                              proximal_mu=0.01)
+                              train_batch_size=batch, mini_batch_size=batch, lr=lr, ppo_epochs=1,
+                              max_grad_norm=1.0, baseline_lr=0, local_iterations=local_iterations,
+                              iterations=ROUNDS * local_iterations, clients=3, proximal_mu=0.01)
 
 
 def _one(task: tuple) -> dict:
@@ -135,8 +136,8 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, task) for task in tasks]):
             r = future.result()
             runs.append(r)
-            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} batch {r['batch']} x {r['local_iterations']} "
-                  f"(sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
+            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} batch {r['batch']} x "
+                  f"{r['local_iterations']} (sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
                   f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
                   f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
     print("candidate | actor.lr | rollout.n | rollout.temperature | batch x local iterations | round 0 | "
