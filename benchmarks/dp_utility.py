@@ -48,7 +48,8 @@ def engine(args, *, private: bool, seed: int):
     lr = args.lr if private or not args.baseline_lr else args.baseline_lr
     return engine_config(
         model={"path": str(getattr(args, "model_path", "") or "")},
-        rollout={"n": getattr(args, "rollout_n", 0) or 4, "temperature": getattr(args, "temperature", 1.0)},
+        rollout={"n": getattr(args, "rollout_n", 0) or 4,  # temperature: the config's default unless an arm sets it
+                 **({"temperature": args.temperature} if getattr(args, "temperature", None) else {})},
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
         actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": lr,
                "ppo_epochs": args.ppo_epochs},

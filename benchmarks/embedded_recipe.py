@@ -83,15 +83,13 @@ def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: 
                               iterations=ROUNDS * local_iterations, clients=3, proximal_mu=0.01)
 
 
-def _one(task: tuple) -> dict:
+def _one(name: str, job: argparse.Namespace, epsilon: float, seed: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    name, model_path, lr, n, batch, local_iterations, temperature, epsilon, seed = task
-    result = run(job_args(Path(model_path), lr, n, batch, local_iterations, temperature), epsilon, seed,
-                 harness.validation_problems(0, "tune"))
-    return {"candidate": name, "lr": lr, "n": n, "batch": batch, "local_iterations": local_iterations,
-            "temperature": temperature, **result}
+    result = run(job, epsilon, seed, harness.validation_problems(0, "tune"))
+    return {"candidate": name, "lr": job.lr, "n": job.rollout_n, "batch": job.train_batch_size,
+            "local_iterations": job.local_iterations, "temperature": job.temperature, **result}
 
 
 def main() -> None:
@@ -125,15 +123,15 @@ def main() -> None:
                 for n, batch, local, temperature in itertools.product(
                         *(map(int, values.split(",")) for values in (args.ns, args.batches, args.local_iterations)),
                         map(float, args.temperatures.split(","))):
-                    tasks += [(path.name, str(path), lr, n, batch, local, temperature, args.epsilon, int(seed))
-                              for seed in args.seeds.split(",")]
+                    job = job_args(path, lr, n, batch, local, temperature)
+                    tasks += [(path.name, job, args.epsilon, int(seed)) for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for future in as_completed([pool.submit(_one, task) for task in tasks]):
+        for future in as_completed([pool.submit(_one, *task) for task in tasks]):
             r = future.result()
             runs.append(r)
             print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} batch {r['batch']} x "
