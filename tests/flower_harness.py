@@ -41,7 +41,14 @@ SMALL_RUN = {
     "privacy.noise_multiplier": 0.8,
     "privacy.deterministic": True,
     "secagg.enabled": True,
+    # Each SecAgg+ stage's deadline. Alone, a cold-engine round takes about 50 s; in CI, with four
+    # pytest workers' real processes on two cores, one took 332 s, its fit stage most of it.
+    "secagg.timeout": 1200.0,
 }
+# How long a test waits for a whole run (or its ``flwr run`` CLI) to end; only a hang reaches it.
+# On an idle 2-core machine the longest, test_deployment's cold-engine run, takes about 185 s;
+# in CI four pytest workers' real processes share the two cores, and it passed 900 s.
+RUN_DEADLINE_S = 1800.0
 # Fault runs: no evaluation round trip, one local iteration, a SecAgg+ timeout that bounds any hang
 # (a lost node is noticed sooner, when its heartbeat lapses; on a loaded 2-core machine a ClientApp's
 # first reply alone took over 120 s).

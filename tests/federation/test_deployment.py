@@ -28,6 +28,7 @@ from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, sample_r
 from flwr_verl.privacy.ledger import PrivacyLedger
 from tests.flower_harness import (
     REPO,
+    RUN_DEADLINE_S,
     SMALL_RUN,
     assert_final_adapter_trained_and_loadable,
     engine_params,
@@ -87,7 +88,7 @@ def two_runs_at_once(deployment, tmp_path_factory):
     other_log = out.parent / "other-run.log"
     other = deployment.flwr_run_background(REPO, {**OTHER_RUN, "output-dir": str(out)}, other_log)
     try:
-        done = deployment.flwr_verl_run(REPO, config, timeout=900)  # exits with the run's status
+        done = deployment.flwr_verl_run(REPO, config, timeout=RUN_DEADLINE_S)  # exits with the run's status
         log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
         assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
         yield {"main": (run_directory_of(log), log, deployment.run_status(log)), "other": (other, other_log),
@@ -159,13 +160,13 @@ def test_a_restarted_supernode_keeps_its_ledger_and_a_new_run_continues_from_it(
     round would bring it past three rounds' epsilon, not to one), so all refuse and nothing is
     trained. Refusals spend nothing: the ledgers still hold the two earlier runs' spends only."""
     other, _ = two_runs_at_once["other"]
-    other.wait(timeout=600)  # its spend is in the ledgers before the restart
+    other.wait(timeout=RUN_DEADLINE_S)  # its spend is in the ledgers before the restart
     deployment.kill_supernode(0)
     deployment.start_supernode(0)
     deployment.wait_supernode(0)
     out = tmp_path / "second-run"
     done = deployment.flwr_run(REPO, {**SMALL_RUN, "num-server-rounds": 1, "privacy.epsilon_budget":
-                                      budget_for_two_rounds(), "output-dir": str(out)}, timeout=600)
+                                      budget_for_two_rounds(), "output-dir": str(out)}, timeout=RUN_DEADLINE_S)
     log = done.stdout + done.stderr
     engine = parse_run_config(SMALL_RUN).engine
     per_round = engine.trainer.local_iterations
@@ -236,7 +237,7 @@ def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_o
     ledger: the other run's epsilon is that of one fresh round of its own mechanism."""
     main_dir, main_log, _ = two_runs_at_once["main"]
     other, other_log_file = two_runs_at_once["other"]
-    other.wait(timeout=600)  # the shorter run; it usually ended first
+    other.wait(timeout=RUN_DEADLINE_S)  # the shorter run; it usually ended first
     other_log = other_log_file.read_text(errors="replace")
     other_dir, other_status = run_directory_of(other_log), deployment.run_status(other_log)
     assert other_status == "finished:completed", other_log[-3000:]
@@ -263,7 +264,7 @@ def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_o
 def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, two_runs_at_once):
     """Warm: each node started one engine, which served every message of both runs (their messages
     say so), from its own directory under the node's Flower home. Cold: no engine process."""
-    two_runs_at_once["other"][0].wait(timeout=600)
+    two_runs_at_once["other"][0].wait(timeout=RUN_DEADLINE_S)
     engine = deployment.supernodes[0].node_config["engine"]
     for node in deployment.supernodes:
         log = node.log.read_text(errors="replace")

@@ -59,6 +59,7 @@ from flwr_verl.privacy.dpsgd import IterationMechanism, PrivacyAccount, sample_r
 from tests.flower_harness import (
     FAULT_RUN,
     REPO,
+    RUN_DEADLINE_S,
     count_in,
     engine_params,
     initial_adapter,
@@ -516,7 +517,8 @@ def failed_client_then_resumed(federation, tmp_path_factory):
     killed_after = [r["round"] for r in records(run_dir)]
     saved = load_state(run_dir / "adapters" / "round-0001")
     federation.wait_online(3)
-    resumed = federation.flwr_run(REPO, {**first, "resume": True, "inject-failure-partition": -1}, timeout=600)
+    resumed = federation.flwr_run(REPO, {**first, "resume": True, "inject-failure-partition": -1},
+                                  timeout=RUN_DEADLINE_S)
     return {"run_dir": run_dir, "config": first, "killed_after": killed_after, "saved": saved,
             "survivors": survivors, "first_log": log1.read_text(errors="replace"),
             "resumed_log": resumed.stdout + resumed.stderr}
@@ -691,7 +693,7 @@ def test_under_secagg_the_server_never_unmasks_fewer_real_contributors_than_the_
     tiny = {"epsilon-budget": 1e-3}
     with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={1: tiny, 2: tiny}) as deployment:
         out = tmp_path / "out"
-        done = deployment.flwr_verl_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=600)
+        done = deployment.flwr_verl_run(REPO, run_config(out, **{"num-server-rounds": 1}), timeout=RUN_DEADLINE_S)
         log = done.stdout + done.stderr
         status = deployment.run_status(log)
     assert done.returncode == 0 and done.stdout.splitlines()[-1].endswith(" finished:completed"), log

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_harness import FAULT_RUN, REPO, count_in, local_deployment, records, run_directories
+from tests.flower_harness import FAULT_RUN, REPO, RUN_DEADLINE_S, count_in, local_deployment, records, run_directories
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_a_node_that_poisons_its_masked_upload_fails_the_round_and_saves_nothing
     out = tmp_path / "out"
     with local_deployment(tmp_path / "fl", num_supernodes=3) as deployment:
         done = deployment.flwr_verl_run(poisoning_app(tmp_path), {**FAULT_RUN, "num-server-rounds": 1,
-                                                                  "output-dir": str(out)}, timeout=600)
+                                                                  "output-dir": str(out)}, timeout=RUN_DEADLINE_S)
         log = done.stdout + done.stderr
         status = deployment.run_status(log)
     assert done.returncode == 1 and status == "finished:failed", log
@@ -83,7 +83,7 @@ def test_a_node_that_claims_another_nodes_client_id_is_refused_before_round_1(tm
     out = tmp_path / "out"
     with local_deployment(tmp_path / "fl", num_supernodes=3, node_config={2: {"client-id": "1"}}) as deployment:
         done = deployment.flwr_verl_run(REPO, {**FAULT_RUN, "num-server-rounds": 1, "output-dir": str(out)},
-                                        timeout=600)
+                                        timeout=RUN_DEADLINE_S)
         log = done.stdout + done.stderr
         status = deployment.run_status(log)
         trained = [count_in(node.log, "Receiving: train message") for node in deployment.supernodes]

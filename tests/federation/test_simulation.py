@@ -7,6 +7,7 @@ import pytest
 
 from deploy.launch import free_port
 from tests.flower_harness import (
+    RUN_DEADLINE_S,
     SMALL_RUN,
     assert_final_adapter_trained_and_loadable,
     flwr_run_simulation,
@@ -26,7 +27,7 @@ def simulation_run(tmp_path_factory):
     env = isolated_env(root)
     try:
         proc = flwr_run_simulation(env, root, {**SMALL_RUN, "output-dir": str(root / "out")},
-                                   num_supernodes=3, timeout=600)
+                                   num_supernodes=3, timeout=RUN_DEADLINE_S)
     finally:
         kill_tree_with_env(env["FLWR_HOME"])
     runs = sorted((root / "out").glob("run-*"))
@@ -67,7 +68,7 @@ def test_flwr_run_used_the_superlink_we_started(simulation_run):
 
 def simulate(env: dict, root, config: dict):
     try:
-        return flwr_run_simulation(env, root, config, num_supernodes=2, timeout=600)
+        return flwr_run_simulation(env, root, config, num_supernodes=2, timeout=RUN_DEADLINE_S)
     finally:
         kill_tree_with_env(env["FLWR_HOME"])
 

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.flower_harness import REPO, SMALL_RUN, local_deployment, records, run_directories
+from tests.flower_harness import REPO, RUN_DEADLINE_S, SMALL_RUN, local_deployment, records, run_directories
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ ONE_ROUND = {**SMALL_RUN, "num-server-rounds": 1, "trainer.local_iterations": 2}
 
 
 def _run(deployment, out, run_config):
-    done = deployment.flwr_run(REPO, {**run_config, "output-dir": str(out)}, timeout=900)
+    done = deployment.flwr_run(REPO, {**run_config, "output-dir": str(out)}, timeout=RUN_DEADLINE_S)
     runs = run_directories(out)
     log = done.stdout + done.stderr
     assert done.returncode == 0 and runs, f"flwr run failed:\n{log[-6000:]}"
