@@ -47,7 +47,9 @@ def engine(args, *, private: bool, seed: int):
 
     lr = args.lr if private or not args.baseline_lr else args.baseline_lr
     return engine_config(
-        model={"path": str(getattr(args, "model_path", "") or "")},
+        model={"path": str(getattr(args, "model_path", "") or ""),  # the LoRA shape: the config's unless an arm sets it
+               **({"lora_rank": args.lora_rank} if getattr(args, "lora_rank", None) else {}),
+               **({"lora_freeze_a": args.lora_freeze_a} if getattr(args, "lora_freeze_a", None) else {})},
         rollout={"n": getattr(args, "rollout_n", 0) or 4,  # temperature: the config's default unless an arm sets it
                  **({"temperature": args.temperature} if getattr(args, "temperature", None) else {})},
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},

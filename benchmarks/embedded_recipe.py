@@ -7,11 +7,14 @@ with it, never on the validation problems).
     python benchmarks/embedded_recipe.py --steps 200,235 --build-seeds 1234 --lrs 3e-3,6e-3 --ns 4,8 --seeds 0,1,2
     python benchmarks/embedded_recipe.py --lrs 1e-2,2e-2 --batches 256 --local-iterations 3
     python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --temperatures 0.5,1.0
+    python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --lora-ranks 2,4,8 --freeze-a 0,1
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
 0.01; each arm sets the batch (``--batches``: ``data.train_batch_size``, one update an iteration),
 the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``), ``rollout.n``
-(``--ns``) and ``rollout.temperature`` (``--temperatures``), and gets the noise multiplier that
+(``--ns``), ``rollout.temperature`` (``--temperatures``), ``model.lora_rank`` (``--lora-ranks``) and
+``model.lora_freeze_a`` (``--freeze-a``: FFA-LoRA, half the trained parameters, so each gets less
+of DP's noise), and gets the noise multiplier that
 spends ``--epsilon`` (7.21 at delta 1e-5, the default job's) over its 8 rounds.
 ``benchmarks/dp_utility.run`` emulates it (no Flower transport; SecAgg+ changes the sum by less
 than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does.
@@ -76,8 +79,9 @@ def build(builds: Path, recipe: dict) -> Path:
 
 
 def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int,
-             temperature: float) -> argparse.Namespace:
-    return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, train_size=2048,
+             temperature: float, lora_rank: int, freeze_a: bool) -> argparse.Namespace:
+    return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, lora_rank=lora_rank,
+                              lora_freeze_a=freeze_a, train_size=2048,
                               train_batch_size=batch, mini_batch_size=batch, lr=lr, ppo_epochs=1,
                               max_grad_norm=1.0, baseline_lr=0, local_iterations=local_iterations,
                               iterations=ROUNDS * local_iterations, clients=3, proximal_mu=0.01)
@@ -89,7 +93,12 @@ def _one(name: str, job: argparse.Namespace, epsilon: float, seed: int) -> dict:
     torch.set_num_threads(1)
     result = run(job, epsilon, seed, harness.validation_problems(0, "tune"))
     return {"candidate": name, "lr": job.lr, "n": job.rollout_n, "batch": job.train_batch_size,
-            "local_iterations": job.local_iterations, "temperature": job.temperature, **result}
+            "local_iterations": job.local_iterations, "temperature": job.temperature, "lora_rank": job.lora_rank,
+            "freeze_a": job.lora_freeze_a, **result}
+
+
+def lora(result: dict) -> str:
+    return f"r {result['lora_rank']}" + (" FFA" if result["freeze_a"] else "")
 
 
 def main() -> None:
@@ -102,6 +111,8 @@ def main() -> None:
     parser.add_argument("--batches", default="64", help="comma-separated data.train_batch_size values (one update each)")
     parser.add_argument("--local-iterations", default="10", help="comma-separated trainer.local_iterations values")
     parser.add_argument("--temperatures", default="1.0", help="comma-separated rollout.temperature values")
+    parser.add_argument("--lora-ranks", default="8", help="comma-separated model.lora_rank values")
+    parser.add_argument("--freeze-a", default="0", help="comma-separated model.lora_freeze_a values (0 or 1)")
     parser.add_argument("--epsilon", type=float, default=7.21,
                         help="every arm's epsilon at delta 1e-5 (the noise follows); 7.21 is the default job's")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
@@ -120,10 +131,11 @@ def main() -> None:
                 recipe["warm_start_lr"] = args.warm_start_lr
             path = build(args.builds, recipe)
             for lr in (float(x) for x in args.lrs.split(",")):
-                for n, batch, local, temperature in itertools.product(
+                for n, batch, local, temperature, rank, freeze_a in itertools.product(
                         *(map(int, values.split(",")) for values in (args.ns, args.batches, args.local_iterations)),
-                        map(float, args.temperatures.split(","))):
-                    job = job_args(path, lr, n, batch, local, temperature)
+                        map(float, args.temperatures.split(",")), map(int, args.lora_ranks.split(",")),
+                        (bool(int(x)) for x in args.freeze_a.split(","))):
+                    job = job_args(path, lr, n, batch, local, temperature, rank, freeze_a)
                     tasks += [(path.name, job, args.epsilon, int(seed)) for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
@@ -134,20 +146,20 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, *task) for task in tasks]):
             r = future.result()
             runs.append(r)
-            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} batch {r['batch']} x "
+            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} {lora(r)} batch {r['batch']} x "
                   f"{r['local_iterations']} (sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
                   f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
                   f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
-    print("candidate | actor.lr | rollout.n | rollout.temperature | batch x local iterations | round 0 | "
+    print("candidate | actor.lr | rollout.n | rollout.temperature | LoRA | batch x local iterations | round 0 | "
           "last round, median (range) | rise, median (range)")
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["candidate"], r["lr"], r["n"], r["temperature"], r["batch"], r["local_iterations"]),
-                          []).append(r)
-    for (name, lr, n, temperature, batch, local), items in sorted(groups.items()):
+        groups.setdefault((r["candidate"], r["lr"], r["n"], r["temperature"], lora(r), r["batch"],
+                           r["local_iterations"]), []).append(r)
+    for (name, lr, n, temperature, shape, batch, local), items in sorted(groups.items()):
         finals = harness.spread([r["final_reward"] for r in items])
         rises = harness.spread([r["final_reward"] - r["initial_reward"] for r in items])
-        print(f"{name} | {lr:g} | {n} | {temperature:g} | {batch} x {local} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
+        print(f"{name} | {lr:g} | {n} | {temperature:g} | {shape} | {batch} x {local} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
               f"{harness.format_spread(rises, '+.3f')}")
     previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
     harness.write_json(args.out, {"runs": previous + runs, "seconds": time.perf_counter() - started})

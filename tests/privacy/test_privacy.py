@@ -506,7 +506,9 @@ def test_dp_fit_is_unchanged_from_opacus_hooks_throughout(models, rows, monkeypa
     assert any(not torch.equal(w, s) for w, s in zip(weights, start))
     torch.testing.assert_close(flat(weights), flat(reference_weights), rtol=1e-5, atol=1e-7)
     timings = {key for m in metrics for key in m if key.startswith("time_")}
-    assert ([{k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in m.items() if k not in timings} for m in metrics]
+    # pg_loss and ppo_kl are means of differences of float32 log-probabilities (about -1 to -5): the
+    # two paths' rounding moves them by about 1e-7 (ppo_kl by 1.1e-7 in one CI-like run).
+    assert ([{k: pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in m.items() if k not in timings} for m in metrics]
             == [{k: v for k, v in m.items() if k not in timings} for m in reference_metrics])
 
 
