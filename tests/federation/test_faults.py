@@ -446,7 +446,7 @@ def kill_in_fit_stage(deployment, indices: list[int], process: subprocess.Popen,
     ClientApp can answer."""
     baseline = {i: count_in(deployment.supernodes[i].log, "Receiving: train message") for i in indices}
     pending = set(indices)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + RUN_DEADLINE_S
     while pending and time.monotonic() < deadline:
         for i in sorted(pending):
             if count_in(deployment.supernodes[i].log, "Receiving: train message") >= baseline[i] + stage:
@@ -467,7 +467,7 @@ def restart(deployment, indices) -> None:
     deployment.wait_online(len(deployment.supernodes))  # a SIGKILLed node's old entry lapses first
 
 
-def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
+def finish(process: subprocess.Popen, log: Path, timeout: float = RUN_DEADLINE_S) -> str:
     try:
         process.wait(timeout=timeout)
     finally:
@@ -502,7 +502,7 @@ def failed_client_then_resumed(federation, tmp_path_factory):
     log1 = root / "run1.log"
     process = federation.flwr_run_background(REPO, first, log1)
     try:
-        wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), 600,
+        wait_until(lambda: list(out.glob("run-*/adapters/round-0001/server_state.json")), RUN_DEADLINE_S,
                    "the round-1 checkpoint", process)
         assert federation.serverapp_processes(), "no ServerApp process found"
         federation.kill_superlink()
