@@ -40,7 +40,8 @@ the default job stays at T 1.0 and 1e-2.
 
 On 2026-12-06 (later; tune split, the same job, seeds 0-2), the LoRA shape: at lr 1e-2, rank 2 +0.177
 (+0.169 to +0.181), 4 +0.169 (+0.152 to +0.193), 8 +0.185 (+0.165 to +0.189); FFA-LoRA (rank 8,
-A frozen) +0.160 at 1e-2 and +0.198 (+0.173 to +0.214) at 2e-2. Nothing to adopt.
+A frozen) +0.160 at 1e-2 and +0.198 (+0.173 to +0.214) at 2e-2. Nothing to adopt. (``model.lora_alpha``
+stays 16, so a smaller rank also scales its update up, alpha / r: 8 at rank 2, 2 at rank 8.)
 
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
