@@ -42,16 +42,19 @@ import harness
 harness.quiet()
 
 
+def arm_settings(args, **attributes: str) -> dict:
+    """The config keys (``key="attribute"``) that ``args`` sets; the others keep the config's defaults."""
+    return {key: getattr(args, name) for key, name in attributes.items() if getattr(args, name, None)}
+
+
 def engine(args, *, private: bool, seed: int):
     from flwr_verl.config import engine_config
 
     lr = args.lr if private or not args.baseline_lr else args.baseline_lr
     return engine_config(
-        model={"path": str(getattr(args, "model_path", "") or ""),  # the LoRA shape: the config's unless an arm sets it
-               **({"lora_rank": args.lora_rank} if getattr(args, "lora_rank", None) else {}),
-               **({"lora_freeze_a": args.lora_freeze_a} if getattr(args, "lora_freeze_a", None) else {})},
-        rollout={"n": getattr(args, "rollout_n", 0) or 4,  # temperature: the config's default unless an arm sets it
-                 **({"temperature": args.temperature} if getattr(args, "temperature", None) else {})},
+        model={"path": str(getattr(args, "model_path", "") or ""),
+               **arm_settings(args, lora_rank="lora_rank", lora_freeze_a="lora_freeze_a")},
+        rollout=arm_settings(args, n="rollout_n", temperature="temperature"),
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
         actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": lr,
                "ppo_epochs": args.ppo_epochs},

@@ -59,6 +59,8 @@ from pathlib import Path
 import harness
 from dp_utility import run
 
+from flwr_verl.config import ModelConfig, RolloutConfig  # the defaults of the axes below
+
 harness.quiet()
 
 ROUNDS = 8  # the default job's num-server-rounds
@@ -115,9 +117,11 @@ def main() -> None:
     parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
     parser.add_argument("--batches", default="64", help="comma-separated data.train_batch_size values (one update each)")
     parser.add_argument("--local-iterations", default="10", help="comma-separated trainer.local_iterations values")
-    parser.add_argument("--temperatures", default="1.0", help="comma-separated rollout.temperature values")
-    parser.add_argument("--lora-ranks", default="8", help="comma-separated model.lora_rank values")
-    parser.add_argument("--freeze-a", default="0", help="comma-separated model.lora_freeze_a values (0 or 1)")
+    parser.add_argument("--temperatures", default=f"{RolloutConfig.temperature:g}",
+                        help="comma-separated rollout.temperature values")
+    parser.add_argument("--lora-ranks", default=str(ModelConfig.lora_rank), help="comma-separated model.lora_rank values")
+    parser.add_argument("--freeze-a", default=str(int(ModelConfig.lora_freeze_a)),
+                        help="comma-separated model.lora_freeze_a values (0 or 1)")
     parser.add_argument("--epsilon", type=float, default=7.21,
                         help="every arm's epsilon at delta 1e-5 (the noise follows); 7.21 is the default job's")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")

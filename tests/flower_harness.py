@@ -42,7 +42,7 @@ SMALL_RUN = {
     "privacy.deterministic": True,
     "secagg.enabled": True,
     # Each SecAgg+ stage's deadline. Alone, a cold-engine round takes about 50 s; in CI, with four
-    # pytest workers' real processes on two cores, one took 332 s, its fit stage most of it.
+    # pytest workers' real processes on two cores, a whole round took 332 s.
     "secagg.timeout": 1200.0,
 }
 # How long a test waits for a whole run (or its ``flwr run`` CLI) to end; only a hang reaches it.
