@@ -6,10 +6,14 @@ SuperNode registered with ``flwr supernode register``, and SuperNodes with ``--r
 ``--auth-supernode-private-key`` and ``--node-config "partition-id=i num-partitions=3"``. The run
 is the simulation test's (2 rounds, DP and SecAgg+ on) and is checked the same way. Then nodes
 that must be refused are: one with an unregistered key, one without TLS, one that trusts another CA.
-Every process is stopped at the end, whatever happened (``local_deployment``). The whole module
-runs twice: every node on a warm engine (one engine process per node, kept across messages and
-runs), then every node cold (a fresh engine in every ClientApp process), less the refused nodes,
-which never reach an engine.
+Every process is stopped at the end, whatever happened (``local_deployment``). The module runs
+twice: every node on a warm engine (one engine process per node, kept across messages and runs),
+then every node cold (a fresh engine in every ClientApp process). The cold half runs what depends
+on where the engine lives: the main run, its rounds, epsilon, SecAgg+, budget and ledger, each
+message in a fresh process. A second run beside it, a restarted SuperNode and the refused nodes
+are checked on the warm half only: the server, the SuperNode and each node's ledger file do the
+same whichever engine computes, and each cold message (about 13 CPU-seconds: imports and the
+model) would cost the suite minutes of its two cores.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def budget_for_two_rounds() -> float:
     return (epsilon_after(2) + epsilon_after(3)) / 2
 
 
-# Submitted at the same time as the main run, to the same SuperLink and SuperNodes and the same
-# output-dir: one round in the clear, one local iteration.
+# Submitted at the same time as the main run (warm half), to the same SuperLink and SuperNodes and
+# the same output-dir: one round in the clear, one local iteration.
 OTHER_RUN = {**SMALL_RUN, "num-server-rounds": 1, "secagg.enabled": False, "trainer.local_iterations": 1,
              "evaluate-every": 0}
 
@@ -77,30 +81,42 @@ def run_directory_of(log: str) -> Path:
     return Path(match[1])
 
 
+def engine_of(deployment) -> str:
+    return deployment.supernodes[0].node_config["engine"]
+
+
+def warm_only(deployment, why: str) -> None:
+    if engine_of(deployment) == "cold":
+        pytest.skip(f"{why}: checked on the warm deployment (the module's docstring says why)")
+
+
 @pytest.fixture(scope="module")
-def two_runs_at_once(deployment, tmp_path_factory):
+def deployed_runs(deployment, tmp_path_factory):
     """The simulation test's run (2 rounds), asked for 3 rounds under an epsilon budget that lasts 2:
     after round 2 every client reports that one more round would exceed it, and the run ends
-    normally with round 2's adapter as the final one. ``OTHER_RUN`` runs alongside it."""
+    normally with round 2's adapter as the final one. On the warm half ``OTHER_RUN`` runs
+    alongside it (``other``: its process and log; None on the cold half)."""
     out = tmp_path_factory.mktemp("deploy-out")
     config = {**SMALL_RUN, "num-server-rounds": 3, "privacy.epsilon_budget": budget_for_two_rounds(),
               "output-dir": str(out)}
-    other_log = out.parent / "other-run.log"
-    other = deployment.flwr_run_background(REPO, {**OTHER_RUN, "output-dir": str(out)}, other_log)
+    other = other_log = None
+    if engine_of(deployment) == "warm":
+        other_log = out.parent / "other-run.log"
+        other = deployment.flwr_run_background(REPO, {**OTHER_RUN, "output-dir": str(out)}, other_log)
     try:
         done = deployment.flwr_verl_run(REPO, config, timeout=RUN_DEADLINE_S)  # exits with the run's status
         log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
         assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
-        yield {"main": (run_directory_of(log), log, deployment.run_status(log)), "other": (other, other_log),
-               "out": out}
+        yield {"main": (run_directory_of(log), log, deployment.run_status(log)),
+               "other": other and (other, other_log), "out": out}
     finally:
-        if other.poll() is None:
+        if other is not None and other.poll() is None:
             other.kill()
 
 
 @pytest.fixture(scope="module")
-def deployed_run(two_runs_at_once):
-    return two_runs_at_once["main"]
+def deployed_run(deployed_runs):
+    return deployed_runs["main"]
 
 
 def test_the_federation_is_tls_with_supernode_auth(deployment):
@@ -152,14 +168,14 @@ def test_run_ends_normally_when_every_privacy_budget_is_spent(deployed_run):
     assert all(r["fit"]["epsilon_run"] <= budget for r in records(run_dir) if "fit" in r)
 
 
-def test_a_restarted_supernode_keeps_its_ledger_and_a_new_run_continues_from_it(deployment, two_runs_at_once,
-                                                                                tmp_path):
+def test_a_restarted_supernode_keeps_its_ledger_and_a_new_run_continues_from_it(deployment, deployed_runs, tmp_path):
     """Run 1 spent two rounds of the budget on every node's data, and the run beside it
     (``OTHER_RUN``) one iteration on the same data. SuperNode 0 is restarted, then run 2, with the
     same budget, starts on the same data: every client counts from both runs' spends (one more
     round would bring it past three rounds' epsilon, not to one), so all refuse and nothing is
     trained. Refusals spend nothing: the ledgers still hold the two earlier runs' spends only."""
-    other, _ = two_runs_at_once["other"]
+    warm_only(deployment, "a restarted SuperNode and a run beside the main one")
+    other, _ = deployed_runs["other"]
     other.wait(timeout=RUN_DEADLINE_S)  # its spend is in the ledgers before the restart
     deployment.kill_supernode(0)
     deployment.start_supernode(0)
@@ -192,8 +208,7 @@ def test_a_restarted_supernode_keeps_its_ledger_and_a_new_run_continues_from_it(
 def refused(deployment, command: list[str], tmp_path, name: str) -> str:
     """Run a SuperNode that must not get in; return its output once it gave up. Flower refuses it
     at the transport, before any ClientApp or engine runs: checked once, on the warm deployment."""
-    if deployment.supernodes[0].node_config["engine"] == "cold":
-        pytest.skip("a refused SuperNode never reaches an engine; checked on the warm deployment")
+    warm_only(deployment, "a refused SuperNode never reaches an engine")
     home = tmp_path / f"home-{name}"
     home.mkdir()
     log = home / "supernode.log"
@@ -232,16 +247,17 @@ def test_supernode_without_tls_or_trusting_another_ca_is_refused(deployment, tmp
     assert len(online) == 3, nodes.stdout  # only the three registered, TLS-verified SuperNodes
 
 
-def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_once):
+def test_two_runs_at_once_on_one_federation_stay_apart(deployment, deployed_runs):
     """Both runs finish, each in its own run directory with its own config, rounds and privacy
     ledger: the other run's epsilon is that of one fresh round of its own mechanism."""
-    main_dir, main_log, _ = two_runs_at_once["main"]
-    other, other_log_file = two_runs_at_once["other"]
+    warm_only(deployment, "a run beside the main one")
+    main_dir, main_log, _ = deployed_runs["main"]
+    other, other_log_file = deployed_runs["other"]
     other.wait(timeout=RUN_DEADLINE_S)  # the shorter run; it usually ended first
     other_log = other_log_file.read_text(errors="replace")
     other_dir, other_status = run_directory_of(other_log), deployment.run_status(other_log)
     assert other_status == "finished:completed", other_log[-3000:]
-    assert main_dir != other_dir and sorted(run_directories(two_runs_at_once["out"])) == sorted([main_dir, other_dir])
+    assert main_dir != other_dir and sorted(run_directories(deployed_runs["out"])) == sorted([main_dir, other_dir])
     assert str(main_dir) not in other_log and str(other_dir) not in main_log
     assert json.loads((other_dir / "config.json").read_text())["federation"]["num_server_rounds"] == 1
     assert json.loads((main_dir / "config.json").read_text())["federation"]["num_server_rounds"] == 3
@@ -261,11 +277,12 @@ def test_two_runs_at_once_on_one_federation_stay_apart(deployment, two_runs_at_o
     assert (other_dir / "adapters" / "final" / "policy").is_dir()
 
 
-def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, two_runs_at_once):
+def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, deployed_runs):
     """Warm: each node started one engine, which served every message of both runs (their messages
     say so), from its own directory under the node's Flower home. Cold: no engine process."""
-    two_runs_at_once["other"][0].wait(timeout=RUN_DEADLINE_S)
-    engine = deployment.supernodes[0].node_config["engine"]
+    if deployed_runs["other"]:
+        deployed_runs["other"][0].wait(timeout=RUN_DEADLINE_S)
+    engine = engine_of(deployment)
     for node in deployment.supernodes:
         log = node.log.read_text(errors="replace")
         lines = re.findall(r"flwr-verl: (\w+) message, (\w+) engine: ([\d.]+) s compute, [\d.]+ s since the "
