@@ -108,7 +108,7 @@ def deployed_runs(deployment, tmp_path_factory):
         log = done.stderr + done.stdout  # stdout: the streamed log, then the status line
         assert done.returncode == 0, f"flwr-verl run failed:\n{log[-6000:]}"
         yield {"main": (run_directory_of(log), log, deployment.run_status(log)),
-               "other": other and (other, other_log), "out": out}
+               "other": None if other is None else (other, other_log), "out": out}
     finally:
         if other is not None and other.poll() is None:
             other.kill()
@@ -280,7 +280,7 @@ def test_two_runs_at_once_on_one_federation_stay_apart(deployment, deployed_runs
 def test_each_node_keeps_one_engine_across_messages_and_runs(deployment, deployed_runs):
     """Warm: each node started one engine, which served every message of both runs (their messages
     say so), from its own directory under the node's Flower home. Cold: no engine process."""
-    if deployed_runs["other"]:
+    if deployed_runs["other"] is not None:
         deployed_runs["other"][0].wait(timeout=RUN_DEADLINE_S)
     engine = engine_of(deployment)
     for node in deployment.supernodes:
