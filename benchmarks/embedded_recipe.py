@@ -43,6 +43,10 @@ On 2026-12-06 (later; tune split, the same job, seeds 0-2), the LoRA shape: at l
 A frozen) +0.160 at 1e-2 and +0.198 (+0.173 to +0.214) at 2e-2. Nothing to adopt. (``model.lora_alpha``
 stays 16, so a smaller rank also scales its update up, alpha / r: 8 at rank 2, 2 at rank 8.)
 
+On 2026-12-07 (tune split, the same job, seeds 0-2), the noise that Opacus's PRV accountant would
+spend epsilon 7.21 with: sigma 0.803 against RDP's 0.863 (``--epsilon 8.324`` gives RDP that
+sigma): +0.185 (+0.165 to +0.198) against +0.185 (+0.165 to +0.189), side by side. No gain.
+
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
