@@ -48,7 +48,7 @@ SMALL_RUN = {
 # How long a test waits for a whole run (or its ``flwr run`` CLI) to end; only a hang reaches it.
 # The longest, test_deployment's cold-engine run, took about 185 s alone on 2 cores, 705 s in the
 # suite (four workers' real processes on the two cores) and more than 900 s in one CI run; since
-# the cold half runs it alone, 164 s alone and 478-584 s in the suite.
+# the cold half runs it alone, 164 s alone and 461-584 s in the suite.
 RUN_DEADLINE_S = 2700.0
 # Fault runs: no evaluation round trip, one local iteration, a SecAgg+ timeout that bounds any hang
 # (a lost node is noticed sooner, when its heartbeat lapses; on a loaded 2-core machine a ClientApp's
