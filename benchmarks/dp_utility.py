@@ -43,8 +43,9 @@ harness.quiet()
 
 
 def arm_settings(args, **attributes: str) -> dict:
-    """The config keys (``key="attribute"``) that ``args`` sets; the others keep the config's defaults."""
-    return {key: getattr(args, name) for key, name in attributes.items() if getattr(args, name, None)}
+    """The config keys (``key="attribute"``) that ``args`` sets (an absent or None attribute sets
+    nothing, an arm's False or 0 is passed on); the others keep the config's defaults."""
+    return {key: getattr(args, name) for key, name in attributes.items() if getattr(args, name, None) is not None}
 
 
 def engine(args, *, private: bool, seed: int):

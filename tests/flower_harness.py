@@ -46,9 +46,9 @@ SMALL_RUN = {
     "secagg.timeout": 1200.0,
 }
 # How long a test waits for a whole run (or its ``flwr run`` CLI) to end; only a hang reaches it.
-# The longest, test_deployment's cold-engine run, took about 185 s alone on 2 cores, 705 s in the
-# suite (four workers' real processes on the two cores) and more than 900 s in one CI run; since
-# the cold half runs it alone, 164 s alone and 461-584 s in the suite.
+# The longest, test_deployment's cold-engine run, takes about 164 s alone on 2 cores and 461-584 s
+# in the suite, where four workers' real processes share the two cores (before the cold half ran
+# the main run only: 185 s, 705 s, and more than 900 s in one CI run).
 RUN_DEADLINE_S = 2700.0
 # Fault runs: no evaluation round trip, one local iteration, a SecAgg+ timeout that bounds any hang
 # (a lost node is noticed sooner, when its heartbeat lapses; on a loaded 2-core machine a ClientApp's
