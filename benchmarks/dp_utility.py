@@ -8,8 +8,9 @@ Goal: at epsilon 8, at least 90% of the non-private gain.
 The default federated run is emulated in one process, without Flower's transport: ``--clients``
 clients (3), each with its own share of the prompts (``flwr_verl.engine.data.load_rows``, iid), run
 ``--local-iterations`` (10) RL iterations per round from the global adapter, with FedProx's
-term (``--proximal-mu``), and the server averages their updates (FedAvg, server learning rate 1)
-for ``--iterations / --local-iterations`` rounds. This is what the ClientApp and ServerApp do,
+term (``--proximal-mu``), and the server steps the strategy's server optimizer on the mean of their
+updates (FedAvg, server learning rate 1, unless ``args`` sets ``server_optimizer``,
+``server_learning_rate`` or ``server_momentum``) for ``--iterations / --local-iterations`` rounds. This is what the ClientApp and ServerApp do,
 minus the messages (SecAgg+ changes the sum by less than 1e-4).
 
 Each client's noise multiplier is set by ``privacy.target_epsilon`` through
@@ -54,7 +55,8 @@ def engine(args, *, private: bool, seed: int):
     lr = args.lr if private or not args.baseline_lr else args.baseline_lr
     return engine_config(
         model={"path": str(getattr(args, "model_path", "") or ""),
-               **arm_settings(args, lora_rank="lora_rank", lora_freeze_a="lora_freeze_a")},
+               **arm_settings(args, lora_rank="lora_rank", lora_freeze_a="lora_freeze_a",
+                              target_modules="target_modules")},
         rollout=arm_settings(args, n="rollout_n", temperature="temperature"),
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
         actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": lr,
@@ -69,7 +71,11 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
     gives the noise multiplier directly."""
     import numpy as np
 
+    import torch
+
+    from flwr_verl.config import FederationConfig
     from flwr_verl.engine.data import load_rows
+    from flwr_verl.federation.strategy import server_optimizer, server_step
     from flwr_verl.engine.models import build_models
     from flwr_verl.engine.trainer import LocalPPOTrainer
     from flwr_verl.privacy.dpsgd import PrivacyAccount, noise_for_target_epsilon, sample_rate
@@ -89,6 +95,11 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
                                          args.iterations, config.actor.ppo_epochs)
     accounts = [PrivacyAccount(config.privacy.accountant) for _ in trainers]
     global_arrays = adapters.get_arrays()
+    server = FederationConfig(**arm_settings(args, server_optimizer="server_optimizer",
+                                             server_learning_rate="server_learning_rate",
+                                             server_momentum="server_momentum"))
+    global_weights = [torch.tensor(a, dtype=torch.float64) for a in global_arrays]
+    optimizer = server_optimizer(server, global_weights)
     weights = np.array([len(t.train_rows) for t in trainers], dtype=np.float64)
     weights /= weights.sum()
     curve = [trainers[0].evaluate(eval_rows).reward]
@@ -108,7 +119,9 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
                 accounts[pid].record(result.mechanism, result.iterations)
             updates.append([new - old for new, old in zip(adapters.get_arrays(), global_arrays)])
             rewards += [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
-        global_arrays = [g + sum(w * u[i] for w, u in zip(weights, updates)) for i, g in enumerate(global_arrays)]
+        server_step(optimizer, global_weights, [sum(w * u[i] for w, u in zip(weights, updates))
+                                                for i in range(len(global_arrays))])
+        global_arrays = [w.detach().numpy().astype(np.float32) for w in global_weights]
         adapters.set_arrays(global_arrays)
         curve.append(trainers[0].evaluate(eval_rows).reward)
         train_reward.append(float(np.mean(rewards)) if rewards else math.nan)

@@ -82,7 +82,8 @@ def stage_dpo(args, workdir: Path, eval_rows: list[dict]) -> dict:
     run_config = {"stage": "dpo", "num-server-rounds": args.dpo_rounds, "data.train_size": args.dpo_train_size,
                   "data.val_size": args.dpo_val_size, "data.train_batch_size": args.dpo_batch_size,
                   "actor.ppo_mini_batch_size": args.dpo_batch_size, "actor.lr": args.dpo_lr,
-                  "dpo.beta": args.beta, "model.lora_rank": args.lora_rank, "model.lora_alpha": 2.0 * args.lora_rank}
+                  "dpo.beta": args.beta, "model.lora_rank": args.lora_rank, "model.lora_alpha": 2.0 * args.lora_rank,
+                  "privacy.max_grad_norm": args.dpo_clip_norm}
     config = parse_run_config({**run_config, "trainer.seed": args.seed}).engine
     models = policy_models(config)
     held_out = load_units(config.data, args.eval_split, args.seed)
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--dpo-val-size", type=int, default=120)
     parser.add_argument("--dpo-batch-size", type=int, default=64)
     parser.add_argument("--dpo-lr", type=float, default=6e-3)
+    parser.add_argument("--dpo-clip-norm", type=float, default=1.0, help="stage dpo's privacy.max_grad_norm")
     parser.add_argument("--beta", type=float, default=1.0, help="dpo.beta, and the verifier's reward_model.beta")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="implicit")

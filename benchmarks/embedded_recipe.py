@@ -8,14 +8,17 @@ with it, never on the validation problems).
     python benchmarks/embedded_recipe.py --lrs 1e-2,2e-2 --batches 256 --local-iterations 3
     python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --temperatures 0.5,1.0
     python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --lora-ranks 2,4,8 --freeze-a 0,1
+    python benchmarks/embedded_recipe.py --servers sgd,momentum:0.5:1 --clip-norms 0.3,1,2
+    python benchmarks/embedded_recipe.py --target-modules all-linear,q_proj+v_proj
+
+Every axis defaults to the default job's value (``flwr_verl.config``), so the last two commands
+vary only what they name.
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
-0.01; each arm sets the batch (``--batches``: ``data.train_batch_size``, one update an iteration),
-the local iterations a round (``--local-iterations``), ``actor.lr`` (``--lrs``), ``rollout.n``
-(``--ns``), ``rollout.temperature`` (``--temperatures``), ``model.lora_rank`` (``--lora-ranks``) and
-``model.lora_freeze_a`` (``--freeze-a``: FFA-LoRA, half the trained parameters, so each gets less
-of DP's noise), and gets the noise multiplier that
-spends ``--epsilon`` (7.21 at delta 1e-5, the default job's) over its 8 rounds.
+0.01; each arm is one value of every axis in ``AXES`` (the batch, local iterations, ``actor.lr``,
+``rollout.n`` and temperature, the LoRA shape and targets, FFA-LoRA, the clipping bound, the
+server optimizer; ``--help`` lists them), and gets the noise multiplier that spends ``--epsilon``
+(7.21 at delta 1e-5, the default job's) over its 8 rounds.
 ``benchmarks/dp_utility.run`` emulates it (no Flower transport; SecAgg+ changes the sum by less
 than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does.
 The accuracy is greedy exact match on every tune problem.
@@ -47,6 +50,19 @@ On 2026-12-07 (tune split, the same job, seeds 0-2), the noise that Opacus's PRV
 spend epsilon 7.21 with: sigma 0.803 against RDP's 0.863 (``--epsilon 8.324`` gives RDP that
 sigma): +0.185 (+0.165 to +0.198) against +0.185 (+0.165 to +0.189), side by side. No gain.
 
+On 2026-12-07 (later; tune split, the same job at lr 1e-2, seeds 0-2): the server optimizer, FedAvg
+(shipped) +0.185 (+0.165 to +0.189), FedAvgM at server lr 1 with momentum 0.3 +0.181 and 0.5 +0.185
+(+0.181 to +0.206), plain server lr 1.5 +0.082; the clipping bound ``privacy.max_grad_norm`` 0.03
++0.152, 0.1 +0.173, 0.3 +0.169, 1 (shipped) +0.185, 2 +0.173, 4 +0.132; the LoRA targets q_proj+v_proj
++0.123, the attention projections +0.152, the MLP +0.123, all-linear (shipped) +0.185. In a
+throwaway variant of ``dp_utility.run`` (not kept), ``actor.lr`` falling round by round: linear
+2e-2 -> 5e-3 +0.198, 2e-2 -> 2e-3 +0.198, 3e-2 -> 5e-3 +0.193, 1.5e-2 -> 5e-3 +0.189, 2e-2 for
+rounds 1-4 then 1e-2 +0.206, cosine from 1.5e-2 +0.173; and evaluating an average of the global
+adapters (an EMA at 0.5 or 0.7, or the mean of the last three) in place of the last: no higher
+(at lr 1e-2, last 0.551 / 0.560 / 0.531, EMA 0.5 0.547 / 0.547 / 0.531). Nothing to adopt: each
+within the spread of seeds, and a tune arm +0.04 above the shipped one has already failed on
+validation (above).
+
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
@@ -63,7 +79,14 @@ from pathlib import Path
 import harness
 from dp_utility import run
 
-from flwr_verl.config import ModelConfig, RolloutConfig  # the defaults of the axes below
+from flwr_verl.config import (  # the defaults of the axes below: the default job's
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    PrivacyConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 
 harness.quiet()
 
@@ -89,27 +112,56 @@ def build(builds: Path, recipe: dict) -> Path:
     return out
 
 
-def job_args(model_path: Path, lr: float, n: int, batch: int, local_iterations: int,
-             temperature: float, lora_rank: int, freeze_a: bool) -> argparse.Namespace:
-    return argparse.Namespace(model_path=str(model_path), rollout_n=n, temperature=temperature, lora_rank=lora_rank,
-                              lora_freeze_a=freeze_a, train_size=2048,
-                              train_batch_size=batch, mini_batch_size=batch, lr=lr, ppo_epochs=1,
-                              max_grad_norm=1.0, baseline_lr=0, local_iterations=local_iterations,
-                              iterations=ROUNDS * local_iterations, clients=3, proximal_mu=0.01)
+def server_arm(spec: str) -> dict:
+    """``OPTIMIZER[:MOMENTUM[:LR]]`` (``--servers``) as ``FederationConfig`` keys; an absent part is
+    the config's default."""
+    optimizer, momentum, lr = (spec.split(":") + [None, None])[:3]
+    return {"server_optimizer": optimizer, "server_momentum": None if momentum is None else float(momentum),
+            "server_learning_rate": None if lr is None else float(lr)}
 
 
-def _one(name: str, job: argparse.Namespace, epsilon: float, seed: int) -> dict:
+def boolean(text: str) -> bool:
+    return bool(int(text))
+
+
+# Each arm is one value of every axis: (flag, the job's attribute, parser, default, what it sets).
+AXES = [
+    ("--lrs", "lr", float, f"{ActorConfig.lr:g}", "actor.lr"),
+    ("--ns", "rollout_n", int, str(RolloutConfig.n), "rollout.n"),
+    ("--batches", "train_batch_size", int, str(DataConfig.train_batch_size),
+     "data.train_batch_size (one update an iteration)"),
+    ("--local-iterations", "local_iterations", int, str(TrainerConfig.local_iterations), "trainer.local_iterations"),
+    ("--temperatures", "temperature", float, f"{RolloutConfig.temperature:g}", "rollout.temperature"),
+    ("--lora-ranks", "lora_rank", int, str(ModelConfig.lora_rank), "model.lora_rank"),
+    ("--freeze-a", "lora_freeze_a", boolean, str(int(ModelConfig.lora_freeze_a)), "model.lora_freeze_a (0 or 1)"),
+    ("--target-modules", "target_modules", lambda text: text.replace("+", ","), ModelConfig.target_modules,
+     "model.target_modules ('+' between a value's module names, e.g. q_proj+v_proj)"),
+    ("--clip-norms", "max_grad_norm", float, f"{PrivacyConfig.max_grad_norm:g}",
+     "privacy.max_grad_norm (the per-prompt clipping bound)"),
+    ("--servers", "server", str, "sgd",
+     "server-optimizer[:server-momentum[:server-learning-rate]] (sgd, momentum, adam; e.g. momentum:0.5:1)"),
+]
+
+
+def job_args(model_path: Path, arm: dict) -> argparse.Namespace:
+    """The default job (module docstring) with ``arm``'s values."""
+    arm = dict(arm)
+    return argparse.Namespace(**server_arm(arm.pop("server")), **arm, model_path=str(model_path), train_size=2048,
+                              mini_batch_size=arm["train_batch_size"], ppo_epochs=1, baseline_lr=0,
+                              iterations=ROUNDS * arm["local_iterations"], clients=3, proximal_mu=0.01)
+
+
+def label(arm: dict) -> str:
+    """The arm's values, e.g. ``lr 0.01 rollout_n 4 ... server sgd``."""
+    return " ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}" for name, value in arm.items())
+
+
+def _one(name: str, arm: dict, job: argparse.Namespace, epsilon: float, seed: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
     result = run(job, epsilon, seed, harness.validation_problems(0, "tune"))
-    return {"candidate": name, "lr": job.lr, "n": job.rollout_n, "batch": job.train_batch_size,
-            "local_iterations": job.local_iterations, "temperature": job.temperature, "lora_rank": job.lora_rank,
-            "freeze_a": job.lora_freeze_a, **result}
-
-
-def lora(result: dict) -> str:
-    return f"r {result['lora_rank']}" + (" FFA" if result["freeze_a"] else "")
+    return {"candidate": name, "arm": arm, **result}
 
 
 def main() -> None:
@@ -117,15 +169,8 @@ def main() -> None:
     parser.add_argument("--steps", default="235", help="comma-separated warm-start step counts")
     parser.add_argument("--build-seeds", default="1234", help="comma-separated recipe seeds")
     parser.add_argument("--warm-start-lr", type=float, default=0.0, help="0: the recipe's")
-    parser.add_argument("--lrs", default="3e-3", help="comma-separated actor.lr values of the job")
-    parser.add_argument("--ns", default="4", help="comma-separated rollout.n values of the job")
-    parser.add_argument("--batches", default="64", help="comma-separated data.train_batch_size values (one update each)")
-    parser.add_argument("--local-iterations", default="10", help="comma-separated trainer.local_iterations values")
-    parser.add_argument("--temperatures", default=f"{RolloutConfig.temperature:g}",
-                        help="comma-separated rollout.temperature values")
-    parser.add_argument("--lora-ranks", default=str(ModelConfig.lora_rank), help="comma-separated model.lora_rank values")
-    parser.add_argument("--freeze-a", default=str(int(ModelConfig.lora_freeze_a)),
-                        help="comma-separated model.lora_freeze_a values (0 or 1)")
+    for flag, _, _, default, sets in AXES:
+        parser.add_argument(flag, default=default, help=f"comma-separated values of {sets} (default {default})")
     parser.add_argument("--epsilon", type=float, default=7.21,
                         help="every arm's epsilon at delta 1e-5 (the noise follows); 7.21 is the default job's")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
@@ -143,13 +188,12 @@ def main() -> None:
             if args.warm_start_lr:
                 recipe["warm_start_lr"] = args.warm_start_lr
             path = build(args.builds, recipe)
-            for lr in (float(x) for x in args.lrs.split(",")):
-                for n, batch, local, temperature, rank, freeze_a in itertools.product(
-                        *(map(int, values.split(",")) for values in (args.ns, args.batches, args.local_iterations)),
-                        map(float, args.temperatures.split(",")), map(int, args.lora_ranks.split(",")),
-                        (bool(int(x)) for x in args.freeze_a.split(","))):
-                    job = job_args(path, lr, n, batch, local, temperature, rank, freeze_a)
-                    tasks += [(path.name, job, args.epsilon, int(seed)) for seed in args.seeds.split(",")]
+            values = [[parse(x) for x in getattr(args, flag[2:].replace("-", "_")).split(",")]
+                      for flag, _, parse, _, _ in AXES]
+            for arm in itertools.product(*values):
+                arm = {attribute: value for (_, attribute, *_), value in zip(AXES, arm)}
+                tasks += [(path.name, arm, job_args(path, arm), args.epsilon, int(seed))
+                          for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
     import multiprocessing
@@ -159,20 +203,17 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, *task) for task in tasks]):
             r = future.result()
             runs.append(r)
-            print(f"{r['candidate']} lr {r['lr']:g} n {r['n']} T {r['temperature']:g} {lora(r)} batch {r['batch']} x "
-                  f"{r['local_iterations']} (sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune {r['initial_reward']:.3f} -> "
-                  f"{r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), epsilon "
-                  f"{r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
-    print("candidate | actor.lr | rollout.n | rollout.temperature | LoRA | batch x local iterations | round 0 | "
-          "last round, median (range) | rise, median (range)")
+            print(f"{r['candidate']} {label(r['arm'])} (sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune "
+                  f"{r['initial_reward']:.3f} -> {r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), "
+                  f"epsilon {r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
+    print("candidate | arm | round 0 | last round, median (range) | rise, median (range)")
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["candidate"], r["lr"], r["n"], r["temperature"], lora(r), r["batch"],
-                           r["local_iterations"]), []).append(r)
-    for (name, lr, n, temperature, shape, batch, local), items in sorted(groups.items()):
+        groups.setdefault((r["candidate"], json.dumps(r["arm"])), []).append(r)
+    for (name, arm), items in sorted(groups.items()):
         finals = harness.spread([r["final_reward"] for r in items])
         rises = harness.spread([r["final_reward"] - r["initial_reward"] for r in items])
-        print(f"{name} | {lr:g} | {n} | {temperature:g} | {shape} | {batch} x {local} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
+        print(f"{name} | {label(json.loads(arm))} | {items[0]['initial_reward']:.3f} | {harness.format_spread(finals)} | "
               f"{harness.format_spread(rises, '+.3f')}")
     previous = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
     harness.write_json(args.out, {"runs": previous + runs, "seconds": time.perf_counter() - started})

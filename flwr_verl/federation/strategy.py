@@ -118,6 +118,25 @@ from flwr_verl.federation.secagg import MAX_CLIENTS, fewest_survivors
 from flwr_verl.privacy.distributed_dp import ClientLevelAccount, SkellamPlan, decode_aggregate, plan_round
 
 
+def server_optimizer(config: FederationConfig, weights: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The server's optimizer over the global adapter's float64 ``weights``: ``sgd`` (FedAvg and
+    FedProx at lr 1), ``momentum`` (FedAvgM) or ``adam`` (FedAdam), at
+    ``config.effective_server_learning_rate``."""
+    lr, kind = config.effective_server_learning_rate, config.server_optimizer
+    if kind == "adam":
+        return torch.optim.Adam(weights, lr=lr, betas=(0.9, 0.99), eps=1e-9)
+    return torch.optim.SGD(weights, lr=lr, momentum=config.server_momentum if kind == "momentum" else 0.0)
+
+
+def server_step(optimizer: torch.optim.Optimizer, weights: list[torch.Tensor], mean_update: NDArrays) -> None:
+    """One server step: the mean update is a descent direction, so its negative is the
+    pseudo-gradient."""
+    for weight, update in zip(weights, mean_update, strict=True):
+        weight.grad = -torch.as_tensor(np.asarray(update), dtype=torch.float64, device="cpu")
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 class FedProxAdapters(Strategy):
     """FedProx over adapter updates, with an optional server optimizer; SecAgg+-compatible.
 
@@ -159,10 +178,7 @@ class FedProxAdapters(Strategy):
         self.mask_seed = mask_seed
         self.weights = [torch.tensor(np.asarray(a), dtype=torch.float64, device="cpu", requires_grad=True)
                         for a in initial_arrays]
-        lr, kind = config.effective_server_learning_rate, config.server_optimizer
-        self.optimizer = (torch.optim.Adam(self.weights, lr=lr, betas=(0.9, 0.99), eps=1e-9) if kind == "adam" else
-                          torch.optim.SGD(self.weights, lr=lr,
-                                          momentum=config.server_momentum if kind == "momentum" else 0.0))
+        self.optimizer = server_optimizer(config, self.weights)
         self.completed_round = 0  # the round the global adapter comes from, counted across resumes
         self.round_offset = 0  # rounds done before this run started (Flower counts from 1 again)
         # Per-client state, keyed by Flower's node id (``ClientProxy.cid``), never by a client's own name:
@@ -317,7 +333,7 @@ class FedProxAdapters(Strategy):
             mean_update = scatter(mean_update[0], indices, shapes)
         if self.config.aggregation == "fednova":
             mean_update = fednova_rescale(mean_update, [(res.num_examples, r) for _, res, r in contributing])
-        self._server_step(mean_update)
+        server_step(self.optimizer, self.weights, mean_update)
 
         metrics = summarize_fit([(res.num_examples, r) for _, res, r in contributing], self.privacy_reports)
         metrics.update(num_clients=len(contributing), num_failures=len(messages), num_refused=len(refused))
@@ -366,13 +382,6 @@ class FedProxAdapters(Strategy):
                 log(INFO, "privacy budget: %s; not sampled again", message)
             self.exhausted.setdefault(cid, message)
         return refused
-
-    def _server_step(self, mean_update: NDArrays) -> None:
-        """The mean update is a descent direction: its negative is the pseudo-gradient."""
-        for weight, update in zip(self.weights, mean_update, strict=True):
-            weight.grad = -torch.as_tensor(np.asarray(update), dtype=torch.float64, device="cpu")
-        self.optimizer.step()
-        self.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ preflight
     def configure_preflight(self, server_round: int,
