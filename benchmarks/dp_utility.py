@@ -10,8 +10,9 @@ clients (3), each with its own share of the prompts (``flwr_verl.engine.data.loa
 ``--local-iterations`` (10) RL iterations per round from the global adapter, with FedProx's
 term (``--proximal-mu``), and the server steps the strategy's server optimizer on the mean of their
 updates (FedAvg, server learning rate 1, unless ``args`` sets ``server_optimizer``,
-``server_learning_rate`` or ``server_momentum``) for ``--iterations / --local-iterations`` rounds. This is what the ClientApp and ServerApp do,
-minus the messages (SecAgg+ changes the sum by less than 1e-4).
+``server_learning_rate`` or ``server_momentum``) for ``--iterations / --local-iterations`` rounds.
+This is what the ClientApp and ServerApp do, minus the messages (SecAgg+ changes the sum by less
+than 1e-4).
 
 Each client's noise multiplier is set by ``privacy.target_epsilon`` through
 ``noise_for_target_epsilon`` for its planned ``--iterations`` local iterations, so each client
@@ -70,14 +71,13 @@ def run(args, target_epsilon: float | None, seed: int, eval_rows: list[dict], fi
     """One emulated federated run; ``target_epsilon`` None trains without DP, unless ``fixed_noise``
     gives the noise multiplier directly."""
     import numpy as np
-
     import torch
 
     from flwr_verl.config import FederationConfig
     from flwr_verl.engine.data import load_rows
-    from flwr_verl.federation.strategy import server_optimizer, server_step
     from flwr_verl.engine.models import build_models
     from flwr_verl.engine.trainer import LocalPPOTrainer
+    from flwr_verl.federation.strategy import server_optimizer, server_step
     from flwr_verl.privacy.dpsgd import PrivacyAccount, noise_for_target_epsilon, sample_rate
 
     private = target_epsilon is not None or fixed_noise is not None

@@ -82,6 +82,7 @@ from dp_utility import run
 from flwr_verl.config import (  # the defaults of the axes below: the default job's
     ActorConfig,
     DataConfig,
+    FederationConfig,
     ModelConfig,
     PrivacyConfig,
     RolloutConfig,
@@ -138,7 +139,7 @@ AXES = [
      "model.target_modules ('+' between a value's module names, e.g. q_proj+v_proj)"),
     ("--clip-norms", "max_grad_norm", float, f"{PrivacyConfig.max_grad_norm:g}",
      "privacy.max_grad_norm (the per-prompt clipping bound)"),
-    ("--servers", "server", str, "sgd",
+    ("--servers", "server", str, FederationConfig.server_optimizer,
      "server-optimizer[:server-momentum[:server-learning-rate]] (sgd, momentum, adam; e.g. momentum:0.5:1)"),
 ]
 
