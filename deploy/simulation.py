@@ -15,8 +15,10 @@ carries its FLWR_HOME in the environment (SuperLink, SuperExec, Ray workers) is 
 ``flwr run`` gives the SuperLink it starts 15 s to answer, which a loaded machine overran
 ("Failed to start local SuperLink within 15s"). So ``flwr_run_simulation`` starts that SuperLink
 itself, with Flower's own command line (``flwr/cli/local_superlink.py``), waits for its
-``/health`` with a generous deadline, and stops it afterwards; ``flwr run`` finds it healthy
-and uses it.
+``/health`` with a generous deadline, and stops it afterwards. ``flwr run`` reaches it by its
+address (``write_cli_config``), not by Flower's ``:local:`` connection: that one probes
+``/health`` with a 0.4 s timeout, which a loaded machine also overran, and then starts a second
+SuperLink on the same ports.
 
 Used by the slow tests and by ``benchmarks/``.
 """
@@ -123,12 +125,23 @@ def local_superlink(env: dict[str, str], workdir: Path, timeout: float = SUPERLI
         process.wait(timeout=30)
 
 
+def write_cli_config(env: dict[str, str]) -> Path:
+    """``FLWR_HOME/config.toml`` whose default connection, ``local``, is this environment's local
+    SuperLink by address: what Flower's ``:local:`` connection resolves to once it finds that
+    SuperLink healthy (``flwr/cli/local_superlink.py``), but without the probe."""
+    path = Path(env["FLWR_HOME"]) / "config.toml"
+    address = f"{HOST}:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}"
+    path.write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{address}"\ninsecure = true\n')
+    return path
+
+
 def flwr_run_simulation(env: dict[str, str], workdir: Path, run_config: dict, num_supernodes: int,
                         timeout: float, app: Path = APP, capture: bool = True) -> subprocess.CompletedProcess:
     """``flwr run <app> --stream`` on a local simulated federation, on a SuperLink started (and
     stopped) here; returns the finished process (its output captured, or with ``capture=False``
     on this process's terminal)."""
     config_file = write_run_config(Path(workdir) / "run_config.toml", run_config)
+    write_cli_config(env)
     with local_superlink(env, workdir):
         return subprocess.run(
             [flower_executable("flwr"), "run", str(app), "--stream",

@@ -60,8 +60,9 @@ def test_secure_aggregation_ran(simulation_run):
 
 
 def test_flwr_run_used_the_superlink_we_started(simulation_run):
-    """``flwr_run_simulation`` starts the SuperLink with a generous deadline; had ``flwr run``
-    found none healthy it would have started its own, with a 15 s deadline, and said so."""
+    """``flwr_run_simulation`` starts the SuperLink with a generous deadline and gives ``flwr run``
+    its address; had ``flwr run`` probed for one (0.4 s) and found none, it would have started its
+    own, with a 15 s deadline, and said so (once, under load, it did)."""
     _, log = simulation_run
     assert "Successfully started run" in log and "Starting local SuperLink" not in log, log[-3000:]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.launch import MARKER, free_port, wait_for_line
-from deploy.simulation import isolated_env, local_superlink_command, wait_healthy
+from deploy.simulation import isolated_env, local_superlink_command, wait_healthy, write_cli_config
 
 
 def spawn(script: str, log, append: bool = False) -> subprocess.Popen:
@@ -97,3 +97,27 @@ def test_local_superlink_is_flowers_own_command_on_this_runs_home_and_ports(tmp_
         flower._start_local_superlink()
     ours = local_superlink_command(env)
     assert Path(ours[0]).name == spawned[0][0] == "flower-superlink" and ours[1:] == spawned[0][1:]
+
+
+def test_flwr_run_reaches_our_superlink_by_address_and_never_probes_or_starts_one(tmp_path, monkeypatch):
+    """Read back by Flower's own CLI code: the default connection is this environment's SuperLink
+    by address, so ``flwr run`` treats it as user-managed. Flower's ``:local:`` connection would
+    probe it with a 0.4 s timeout and, when a loaded machine answered later, start a second one."""
+    import flwr.cli.local_superlink as flower
+    from flwr.cli.flower_config import read_superlink_connection
+
+    env = isolated_env(tmp_path)
+    write_cli_config(env)
+    monkeypatch.setenv("FLWR_HOME", env["FLWR_HOME"])
+
+    def never(*args, **kwargs):
+        raise AssertionError("flwr run probed or started a local SuperLink")
+
+    monkeypatch.setattr(flower, "_is_local_superlink_started", never)
+    monkeypatch.setattr(flower, "_start_local_superlink", never)
+    connection = read_superlink_connection()
+    assert flower.ensure_local_superlink(connection) is connection
+    assert connection.name == "local"
+    assert connection.address == f"127.0.0.1:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}"
+    assert connection.insecure is True
+
