@@ -59,7 +59,11 @@ throwaway variant of ``dp_utility.run`` (not kept), ``actor.lr`` falling round b
 2e-2 -> 5e-3 +0.198, 2e-2 -> 2e-3 +0.198, 3e-2 -> 5e-3 +0.193, 1.5e-2 -> 5e-3 +0.189, 2e-2 for
 rounds 1-4 then 1e-2 +0.206, cosine from 1.5e-2 +0.173; and evaluating an average of the global
 adapters (an EMA at 0.5 or 0.7, or the mean of the last three) in place of the last: no higher
-(at lr 1e-2, last 0.551 / 0.560 / 0.531, EMA 0.5 0.547 / 0.547 / 0.531). Nothing to adopt: each
+(at lr 1e-2, last 0.551 / 0.560 / 0.531, EMA 0.5 0.547 / 0.547 / 0.531). The same 24 DP steps
+(so the same noise) in other shapes: 12 rounds x 2 local iterations +0.165, 24 x 1 +0.132, 6 x 4
++0.177, against 8 x 3 +0.185; each client's AdamW state kept from round to round (each fit starts
+a fresh one): 8 x 3 +0.185, 24 x 1 +0.189. So a fresh AdamW costs short local runs (its first
+steps move every coordinate by about lr), but not the shipped 3 iterations. Nothing to adopt: each
 within the spread of seeds, and a tune arm +0.04 above the shipped one has already failed on
 validation (above).
 
