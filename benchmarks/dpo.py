@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="implicit")
     parser.add_argument("--length-normalize", action="store_true", help="the verifier's reward_model.length_normalize")
+    parser.add_argument("--verifier-rank", action="store_true", help="the verifier's reward_model.group_rank")
     parser.add_argument("--ppo-rounds", type=int, default=8)
     parser.add_argument("--ppo-train-size", type=int, default=512)
     parser.add_argument("--ppo-batch-size", type=int, default=32)
@@ -197,8 +198,11 @@ def main() -> None:
         if not args.no_arms:
             verifier = {"reward_model.kind": "implicit", "reward_model.model.path": dpo["adapter"],
                         "reward_model.score": args.verifier_score, "reward_model.beta": args.beta,
-                        "reward_model.length_normalize": args.length_normalize}
-            reward_config = parse_run_config({**verifier, "reward_model.enable": True}).engine.reward_model
+                        "reward_model.length_normalize": args.length_normalize,
+                        "reward_model.group_rank": args.verifier_rank}
+            # the verifier's own score of each greedy answer (a group of one has no rank), to show reward hacking
+            reward_config = parse_run_config({**verifier, "reward_model.enable": True,
+                                              "reward_model.group_rank": False}).engine.reward_model
             scorer = LearnedReward(load_dpo_verifier(dpo["adapter"], ModelConfig(), torch.device("cpu")),
                                    load_tokenizer(resolve_model_path(ModelConfig())), reward_config)
             arms = {}

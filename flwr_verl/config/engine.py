@@ -187,6 +187,10 @@ class RewardModelConfig:
     adapter on the policy's base, scored by ``score``: DPO's implicit reward ``beta`` (log pi_dpo
     - log pi_ref) or the DPO policy's ``likelihood`` log pi_dpo; per token with
     ``length_normalize``).
+
+    ``group_rank``: replace each response's score by its rank among the responses to the same
+    prompt, from 0 (lowest) to 1 (highest), before ``combine``; GRPO's advantages then follow the
+    model's order only, not its score gaps (one outlier score no longer flattens the rest).
     """
 
     enable: bool = False
@@ -198,6 +202,7 @@ class RewardModelConfig:
     score: str = "likelihood"  # chosen on the tune split (benchmarks/dpo.py; docs/rlhf.md says why)
     beta: float = 0.1
     length_normalize: bool = False
+    group_rank: bool = False
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size > 0, "reward_model.micro_batch_size", self.micro_batch_size, "must be > 0")

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flwr_verl.config import ConfigError, ModelConfig, RewardModelConfig
@@ -216,6 +217,28 @@ def load_reward_model(path: str, device: torch.device, *, key: str = PATH_KEY,
     return RewardModel(model=model, tokenizer=tokenizer, max_length=limit, key=key, path=path)
 
 
+def rank_in_group(scores: torch.Tensor, uid: np.ndarray) -> torch.Tensor:
+    """Each score's rank among the scores of its group (the rows that share its ``uid``: the
+    responses to one prompt), scaled to [0, 1]: 0 the lowest, 1 the highest, tied scores sharing
+    the mean of their ranks, a group of one 0.5 (``reward_model.group_rank``).
+
+    Args:
+        scores: (B,) one score per response.
+        uid: (B,) the prompt each response answers (verl's ``non_tensor_batch["uid"]``).
+    Returns:
+        (B,) float32 ranks.
+    """
+    ranks = torch.full_like(scores, 0.5, dtype=torch.float32)
+    for group in np.unique(uid):
+        rows = torch.as_tensor(np.flatnonzero(uid == group), device=scores.device)
+        if len(rows) > 1:
+            values = scores[rows]
+            below = (values.unsqueeze(1) > values.unsqueeze(0)).sum(1).float()
+            tied = (values.unsqueeze(1) == values.unsqueeze(0)).sum(1).float() - 1
+            ranks[rows] = (below + tied / 2) / (len(rows) - 1)
+    return ranks
+
+
 @dataclass
 class LearnedReward:
     """verl's reward contract for a learned model: ``DataProto`` in, ``token_level_scores``
@@ -233,6 +256,8 @@ class LearnedReward:
     def __call__(self, batch) -> torch.Tensor:
         responses, lengths = batch.batch["responses"], batch.batch["response_mask"].sum(-1).long()
         scores = self.reward_model.score_batch(batch, self.policy_tokenizer, self.config, self.group)
+        if self.config.group_rank:
+            scores = rank_in_group(scores, batch.non_tensor_batch["uid"])
         token_level = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         token_level[torch.arange(len(scores), device=responses.device), (lengths - 1).clamp(min=0)] = \
             scores.to(responses.device)
