@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flwr_verl.config import ConfigError
 from flwr_verl.embedded import arithmetic_rows, build_tokenizer
-from flwr_verl.engine.reward_model import LearnedReward, load_reward_model
+from flwr_verl.engine.reward_model import LearnedReward, load_reward_model, rank_in_group
 from flwr_verl.engine.rollout import generate
 from flwr_verl.federation.protocol import FitConfig, FitReport
 from tests.reward_models import other_tokenizer, save_classifier
@@ -208,6 +209,29 @@ def test_the_dpo_verifier_scores_its_implicit_reward_or_its_likelihood_on_the_la
         expected = expected / length if normalize else expected
         assert scores[row, length - 1].item() == pytest.approx(expected, abs=1e-4)
         assert torch.count_nonzero(scores[row]) <= 1
+
+
+def test_group_rank_orders_each_prompts_responses_from_0_to_1_with_ties_sharing_their_mean_rank():
+    scores = torch.tensor([-30.0, -2.0, -3.0, -2.5, 1.0, 1.0, 0.5, 7.0, 2.0, 2.0, 9.0])
+    uid = np.array([0, 0, 0, 0, 1, 1, 2, 3, 3, 3, 3], dtype=object)
+    ranks = rank_in_group(scores, uid)
+    # an outlier (-30) is only the lowest rank: the other three keep their order evenly spaced
+    torch.testing.assert_close(ranks[:4], torch.tensor([0.0, 1.0, 1 / 3, 2 / 3]))
+    torch.testing.assert_close(ranks[4:7], torch.tensor([0.5, 0.5, 0.5]))  # a tie, and a group of one
+    torch.testing.assert_close(ranks[7:], torch.tensor([2 / 3, 1 / 6, 1 / 6, 1.0]))
+
+
+def test_group_rank_scores_each_verifier_response_by_its_rank_among_its_prompts_responses(policy, verifier):
+    config, models = policy
+    batch, model = verifier
+    reward = dataclasses.replace(config.reward_model, enable=True, kind="implicit", score="likelihood")
+    lengths = batch.batch["response_mask"].sum(-1).long()
+    rows = torch.arange(len(lengths))
+    raw = LearnedReward(model, models.tokenizer, reward, group=config.rollout.n)(batch)[rows, lengths - 1]
+    ranked = LearnedReward(model, models.tokenizer, dataclasses.replace(reward, group_rank=True),
+                           group=config.rollout.n)(batch)
+    torch.testing.assert_close(ranked[rows, lengths - 1], rank_in_group(raw, batch.non_tensor_batch["uid"]))
+    assert len(set(batch.non_tensor_batch["uid"])) == len(ROWS) and ranked[rows, lengths - 1].max() == 1.0
 
 
 def test_the_implicit_reward_is_positive_for_what_the_dpo_adapter_learned_to_prefer_and_scales_with_beta(
