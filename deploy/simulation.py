@@ -129,9 +129,14 @@ def write_cli_config(env: dict[str, str]) -> Path:
     """``FLWR_HOME/config.toml`` whose default connection, ``local``, is this environment's local
     SuperLink by address: what Flower's ``:local:`` connection resolves to once it finds that
     SuperLink healthy (``flwr/cli/local_superlink.py``), but without the probe."""
+    import tomli_w  # Flower's own TOML writer (a dependency of flwr)
+    from flwr.cli.flower_config import serialize_superlink_connection
+    from flwr.cli.typing import SuperLinkConnection
+
+    local = SuperLinkConnection(name="local", address=f"{HOST}:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}",
+                                insecure=True)
     path = Path(env["FLWR_HOME"]) / "config.toml"
-    address = f"{HOST}:{env['FLWR_LOCAL_SUPERLINK_HTTP_API_PORT']}"
-    path.write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{address}"\ninsecure = true\n')
+    path.write_text(tomli_w.dumps({"superlink": {"default": "local", "local": serialize_superlink_connection(local)}}))
     return path
 
 
