@@ -61,7 +61,8 @@ def engine(args, *, private: bool, seed: int):
         rollout=arm_settings(args, n="rollout_n", temperature="temperature"),
         data={"train_size": args.train_size, "train_batch_size": args.train_batch_size, "val_size": 0},
         actor={"ppo_mini_batch_size": args.mini_batch_size or args.train_batch_size, "lr": lr,
-               "ppo_epochs": args.ppo_epochs},
+               "ppo_epochs": args.ppo_epochs, **arm_settings(args, loss_agg_mode="loss_agg_mode")},
+        algorithm=arm_settings(args, adv_estimator="adv_estimator", norm_adv_by_std_in_grpo="norm_adv_by_std"),
         privacy={"enabled": private, "max_grad_norm": args.max_grad_norm, "deterministic": True},
         trainer={"seed": seed, "local_iterations": args.local_iterations},
     )

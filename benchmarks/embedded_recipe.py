@@ -10,6 +10,7 @@ with it, never on the validation problems).
     python benchmarks/embedded_recipe.py --lrs 1e-2 --batches 256 --local-iterations 3 --lora-ranks 2,4,8 --freeze-a 0,1
     python benchmarks/embedded_recipe.py --servers sgd,momentum:0.5:1 --clip-norms 0.3,1,2
     python benchmarks/embedded_recipe.py --target-modules all-linear,q_proj+v_proj
+    python benchmarks/embedded_recipe.py --estimators rloo,remax
 
 Every axis defaults to the default job's value (``flwr_verl.config``), so the last two commands
 vary only what they name.
@@ -17,7 +18,8 @@ vary only what they name.
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
 0.01; each arm is one value of every axis in ``AXES`` (the batch, local iterations, ``actor.lr``,
 ``rollout.n`` and temperature, the LoRA shape and targets, FFA-LoRA, the clipping bound, the
-server optimizer; ``--help`` lists them), and gets the noise multiplier that spends ``--epsilon``
+advantage estimator and its scaling, the loss aggregation, the server optimizer; ``--help``
+lists them), and gets the noise multiplier that spends ``--epsilon``
 (7.21 at delta 1e-5, the default job's) over its 8 rounds.
 ``benchmarks/dp_utility.run`` emulates it (no Flower transport; SecAgg+ changes the sum by less
 than 1e-4); every seed draws other DP noise and batches, as a fresh run of the real job does.
@@ -67,6 +69,13 @@ steps move every coordinate by about lr), but not the shipped 3 iterations. Noth
 within the spread of seeds, and a tune arm +0.04 above the shipped one has already failed on
 validation (above).
 
+On 2026-12-07 (later; tune split, the same job, seeds 0-2, this checkout), the RL objective:
+``--estimators rloo,remax`` +0.181 (+0.169 to +0.185) each (other curves, the same last rounds);
+``--std-norms 0`` (Dr. GRPO: the group's mean subtracted, not divided by its standard deviation)
++0.160 (+0.160 to +0.165); ``--loss-agg-modes seq-mean-token-sum,seq-mean-token-sum-norm``
++0.173 (+0.173 to +0.189) and +0.169 (+0.165 to +0.173); against GRPO with
+``seq-mean-token-mean`` (shipped) +0.185 (+0.165 to +0.189). Nothing to adopt.
+
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
 ``embedded.build_embedded_model`` (its own process, portable kernels) into ``--builds``.
@@ -85,6 +94,7 @@ from dp_utility import run
 
 from flwr_verl.config import (  # the defaults of the axes below: the default job's
     ActorConfig,
+    AlgorithmConfig,
     DataConfig,
     FederationConfig,
     ModelConfig,
@@ -143,6 +153,12 @@ AXES = [
      "model.target_modules ('+' between a value's module names, e.g. q_proj+v_proj)"),
     ("--clip-norms", "max_grad_norm", float, f"{PrivacyConfig.max_grad_norm:g}",
      "privacy.max_grad_norm (the per-prompt clipping bound)"),
+    ("--estimators", "adv_estimator", str, AlgorithmConfig.adv_estimator,
+     "algorithm.adv_estimator (those allowed under DP: grpo, rloo, remax)"),
+    ("--std-norms", "norm_adv_by_std", boolean, str(int(AlgorithmConfig.norm_adv_by_std_in_grpo)),
+     "algorithm.norm_adv_by_std_in_grpo (0 or 1; 0 is Dr. GRPO's unscaled advantage)"),
+    ("--loss-agg-modes", "loss_agg_mode", str, ActorConfig.loss_agg_mode,
+     "actor.loss_agg_mode (those allowed under DP: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm)"),
     ("--servers", "server", str, FederationConfig.server_optimizer,
      "server-optimizer[:server-momentum[:server-learning-rate]] (sgd, momentum, adam; e.g. momentum:0.5:1)"),
 ]
