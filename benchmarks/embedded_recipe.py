@@ -12,7 +12,7 @@ with it, never on the validation problems).
     python benchmarks/embedded_recipe.py --target-modules all-linear,q_proj+v_proj
     python benchmarks/embedded_recipe.py --estimators rloo,remax
 
-Every axis defaults to the default job's value (``flwr_verl.config``), so the last two commands
+Every axis defaults to the default job's value (``flwr_verl.config``), so the last three commands
 vary only what they name.
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
