@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="implicit")
     parser.add_argument("--length-normalize", action="store_true", help="the verifier's reward_model.length_normalize")
     parser.add_argument("--verifier-rank", action="store_true", help="the verifier's reward_model.group_rank")
+    parser.add_argument("--verifier-lr", type=float, default=None,
+                        help="the verifier arm's actor.lr (default: the config's, as the rule arm's)")
     parser.add_argument("--ppo-rounds", type=int, default=8)
     parser.add_argument("--ppo-train-size", type=int, default=512)
     parser.add_argument("--ppo-batch-size", type=int, default=32)
@@ -206,9 +208,9 @@ def main() -> None:
             scorer = LearnedReward(load_dpo_verifier(dpo["adapter"], ModelConfig(), torch.device("cpu")),
                                    load_tokenizer(resolve_model_path(ModelConfig())), reward_config)
             arms = {}
-            for name, reward in (("verifier", verifier), ("rule", None)):
+            for name, reward, lr in (("verifier", verifier, args.verifier_lr), ("rule", None, None)):
                 print(f"GRPO against the {name}:", flush=True)
-                arm = stage2(args, reward, eval_rows, scorer)
+                arm = stage2(args, reward, eval_rows, scorer, lr)
                 arms[name] = {"exact_match": [r["exact_match"] for r in arm["per_round"]],
                               "verifier_score": [r["learned_reward"] for r in arm["per_round"]],
                               "epsilon": arm["privacy_per_round"][-1]["epsilon"], "seconds": arm["seconds"]}

@@ -157,9 +157,10 @@ def stage1(args, workdir: Path) -> dict:
             "seconds": time.perf_counter() - start, "merged": str(merged)}
 
 
-def stage2(args, reward_model: dict | None, eval_rows: list[dict], scorer) -> dict:
+def stage2(args, reward_model: dict | None, eval_rows: list[dict], scorer, lr: float | None = None) -> dict:
     """GRPO from the embedded policy, against the learned reward that the ``reward_model.*`` run
-    config keys of ``reward_model`` describe (``scorer``'s model; None: the rule)."""
+    config keys of ``reward_model`` describe (``scorer``'s model; None: the rule), at ``actor.lr``
+    ``lr`` (None: the config's)."""
     from flwr_verl.config import parse_run_config
     from flwr_verl.engine.models import build_models
     from flwr_verl.engine.rollout import generate
@@ -169,6 +170,8 @@ def stage2(args, reward_model: dict | None, eval_rows: list[dict], scorer) -> di
                   "data.train_batch_size": args.ppo_batch_size, "actor.ppo_mini_batch_size": args.ppo_batch_size}
     if reward_model:
         run_config.update({"reward_model.enable": True, **reward_model})
+    if lr is not None:
+        run_config["actor.lr"] = lr
     config = parse_run_config(run_config).engine
     models = build_models(config.model, False, seed=args.seed)
     judge = LocalPPOTrainer(config, [], models=models)  # exact match against the hidden rule
