@@ -93,6 +93,8 @@ import harness
 from dp_utility import run
 
 from flwr_verl.config import (  # the defaults of the axes below: the default job's
+    DP_ESTIMATORS,
+    PER_SEQUENCE_AGG_MODES,
     ActorConfig,
     AlgorithmConfig,
     DataConfig,
@@ -154,11 +156,11 @@ AXES = [
     ("--clip-norms", "max_grad_norm", float, f"{PrivacyConfig.max_grad_norm:g}",
      "privacy.max_grad_norm (the per-prompt clipping bound)"),
     ("--estimators", "adv_estimator", str, AlgorithmConfig.adv_estimator,
-     "algorithm.adv_estimator (those allowed under DP: grpo, rloo, remax)"),
+     f"algorithm.adv_estimator (those allowed under DP: {', '.join(DP_ESTIMATORS)})"),
     ("--std-norms", "norm_adv_by_std", boolean, str(int(AlgorithmConfig.norm_adv_by_std_in_grpo)),
      "algorithm.norm_adv_by_std_in_grpo (0 or 1; 0 is Dr. GRPO's unscaled advantage)"),
     ("--loss-agg-modes", "loss_agg_mode", str, ActorConfig.loss_agg_mode,
-     "actor.loss_agg_mode (those allowed under DP: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm)"),
+     f"actor.loss_agg_mode (those allowed under DP: {', '.join(PER_SEQUENCE_AGG_MODES)})"),
     ("--servers", "server", str, FederationConfig.server_optimizer,
      "server-optimizer[:server-momentum[:server-learning-rate]] (sgd, momentum, adam; e.g. momentum:0.5:1)"),
 ]

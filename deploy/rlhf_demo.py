@@ -29,10 +29,8 @@ from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_
 # DP: each stage targets epsilon 8 on its own prompts. DPO's beta and lr were chosen on the tune split
 # (benchmarks/dpo.py --eval-split tune), and so was the verifier's score: the DPO policy's likelihood
 # (its implicit reward scored an empty answer highest, and GRPO against it fell to 0 held-out accuracy),
-# scored by its rank among each prompt's answers (reward_model.group_rank: in benchmarks/dpo.py's GRPO from
-# the embedded policy, it kept 85% / 71% of the rule arm's gain on the tune split, 70% / 52% without; here,
-# after SFT, GRPO gains little either way: docs/rlhf.md). The rounds keep the whole demo at a few minutes on
-# 2 cores.
+# scored by its rank among each prompt's answers (reward_model.group_rank, chosen on the tune split with
+# benchmarks/dpo.py; docs/rlhf.md has its figures). The rounds keep the whole demo at a few minutes on 2 cores.
 PRIVATE = {"privacy.target_epsilon": 8.0}
 STAGES = {
     "sft": {**PRIVATE, "stage": "sft", "num-server-rounds": 2, "data.train_size": 512},
