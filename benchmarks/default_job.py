@@ -5,6 +5,11 @@ the median and range of its rise over ``--runs`` runs.
 Goal: a median rise of at least 0.2 in held-out accuracy by the last round.
 
     python benchmarks/default_job.py [--runs 3]
+    python benchmarks/default_job.py --run-config "privacy.enabled=false actor.lr=3e-3"
+
+``--run-config`` overrides pyproject.toml's keys as ``flwr run --run-config`` does; the second
+command is the job's non-private anchor (lr 3e-3 chosen without DP on the tune split:
+``embedded_recipe.py --no-dp``).
 
 Each run is isolated (its own FLWR_HOME, SuperLink ports, Ray dir; ``deploy/simulation.py``) and
 imports this checkout's flwr_verl. Every run draws fresh DP noise and batches
@@ -20,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flwr.common.config import parse_config_args
+
 import harness
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env
 
@@ -28,12 +35,12 @@ ROUND = re.compile(r"round (\d+)/\d+: .*?held-out accuracy ([0-9.]+)")
 EPSILON = re.compile(r"epsilon ([0-9.]+)")
 
 
-def one_run(root: Path, timeout: float) -> dict:
+def one_run(root: Path, timeout: float, run_config: dict) -> dict:
     env = isolated_env(root)
     env["PYTHONPATH"] = str(harness.REPO)  # the app's FAB holds no weights: the shipped model is found here
     started = time.perf_counter()
     try:
-        done = flwr_run_simulation(env, root, {}, num_supernodes=3, timeout=timeout)
+        done = flwr_run_simulation(env, root, run_config, num_supernodes=3, timeout=timeout)
     finally:
         kill_tree_with_env(env["FLWR_HOME"])
     log = done.stdout + done.stderr
@@ -53,12 +60,15 @@ def main() -> None:
     parser = harness.argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--run-config", default="",
+                        help="space-separated KEY=VALUE overrides of pyproject.toml's config, as flwr run's")
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "default_job.json")
     args = parser.parse_args()
+    run_config = parse_config_args([args.run_config]) if args.run_config else {}
     runs = []
     for index in range(args.runs):
         root = Path(tempfile.mkdtemp(prefix=f"default-job-{index}-"))
-        runs.append(one_run(root, args.timeout))
+        runs.append(one_run(root, args.timeout, run_config))
         r = runs[-1]
         print(f"run {index + 1}: held-out accuracy by round {' '.join(f'{a:.3f}' for a in r['accuracy_per_round'])}; "
               f"epsilon {r['epsilon']}; {r['seconds']:.0f} s", flush=True)
@@ -68,7 +78,7 @@ def main() -> None:
     print(f"{args.runs} runs: round 0 {harness.format_spread(harness.spread(first))}, "
           f"last round {harness.format_spread(harness.spread(last))}, "
           f"rise {harness.format_spread(harness.spread(rise), '+.3f')}")
-    harness.write_json(args.out, {"runs": runs})
+    harness.write_json(args.out, {"run_config": run_config, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def label(arm: dict) -> str:
     return " ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}" for name, value in arm.items())
 
 
-def _one(name: str, arm: dict, job: argparse.Namespace, epsilon: float, seed: int) -> dict:
+def _one(name: str, arm: dict, job: argparse.Namespace, epsilon: float | None, seed: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -196,6 +196,8 @@ def main() -> None:
         parser.add_argument(flag, default=default, help=f"comma-separated values of {sets} (default {default})")
     parser.add_argument("--epsilon", type=float, default=7.21,
                         help="every arm's epsilon at delta 1e-5 (the noise follows); 7.21 is the default job's")
+    parser.add_argument("--no-dp", action="store_true",
+                        help="train every arm without DP (no clipping, no noise): the non-private anchor of its rise")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated job seeds (other DP noise and batches each)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--builds", type=Path, default=harness.RESULTS / "embedded_recipes")
@@ -215,7 +217,8 @@ def main() -> None:
                       for flag, _, parse, _, _ in AXES]
             for arm in itertools.product(*values):
                 arm = {attribute: value for (_, attribute, *_), value in zip(AXES, arm)}
-                tasks += [(path.name, arm, job_args(path, arm), args.epsilon, int(seed))
+                tasks += [(path.name, arm, job_args(path, arm), None if args.no_dp else args.epsilon,
+                           int(seed))
                           for seed in args.seeds.split(",")]
     started = time.perf_counter()
     runs = []
@@ -226,9 +229,10 @@ def main() -> None:
         for future in as_completed([pool.submit(_one, *task) for task in tasks]):
             r = future.result()
             runs.append(r)
+            privacy = "no DP" if r["epsilon_spent"] is None else f"epsilon {r['epsilon_spent']:.2f}"
             print(f"{r['candidate']} {label(r['arm'])} (sigma {r['noise_multiplier']:.3f}) seed {r['seed']}: tune "
                   f"{r['initial_reward']:.3f} -> {r['final_reward']:.3f} ({r['final_reward'] - r['initial_reward']:+.3f}), "
-                  f"epsilon {r['epsilon_spent']:.2f} [{r['seconds']:.0f} s]", flush=True)
+                  f"{privacy} [{r['seconds']:.0f} s]", flush=True)
     print("candidate | arm | round 0 | last round, median (range) | rise, median (range)")
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
