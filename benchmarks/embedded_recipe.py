@@ -11,8 +11,10 @@ with it, never on the validation problems).
     python benchmarks/embedded_recipe.py --servers sgd,momentum:0.5:1 --clip-norms 0.3,1,2
     python benchmarks/embedded_recipe.py --target-modules all-linear,q_proj+v_proj
     python benchmarks/embedded_recipe.py --estimators rloo,remax
+    python benchmarks/embedded_recipe.py --batches 384,512 --lrs 1e-2,1.5e-2
+    python benchmarks/embedded_recipe.py --no-dp --lrs 1e-3,3e-3,5e-3,1e-2,2e-2
 
-Every axis defaults to the default job's value (``flwr_verl.config``), so the last three commands
+Every axis defaults to the default job's value (``flwr_verl.config``), so the last five commands
 vary only what they name.
 
 The default job (``pyproject.toml``): 3 clients x 2048 prompts, 8 rounds of DP-GRPO, FedProx mu
@@ -75,6 +77,15 @@ On 2026-12-07 (later; tune split, the same job, seeds 0-2, this checkout), the R
 +0.160 (+0.160 to +0.165); ``--loss-agg-modes seq-mean-token-sum,seq-mean-token-sum-norm``
 +0.173 (+0.173 to +0.189) and +0.169 (+0.165 to +0.173); against GRPO with
 ``seq-mean-token-mean`` (shipped) +0.185 (+0.165 to +0.189). Nothing to adopt.
+
+On 2026-12-07 (later; tune split, the same job), a larger batch at the same epsilon: at lr 1e-2,
+384 (sigma 1.036) +0.210 (+0.177 to +0.226, seeds 0-4) against 256 (shipped) +0.185 (+0.165 to
++0.189, seeds 0-4), 512 (sigma 1.209) +0.210 (+0.189 to +0.239, seeds 0-2); at 1.5e-2, 384 +0.185
+and 512 +0.202. Batch 384 at 1e-2 then rose +0.162 on validation as the real default job (ten
+runs) beside +0.156 for the shipped 256 (``default_job.py --run-config``; docs/benchmarks.md):
+within the spread, not adopted. Without DP (``--no-dp``: neither clipping nor noise; seeds 0-2): lr 1e-3
++0.160, 3e-3 +0.210 (+0.193 to +0.235), 5e-3 +0.210, 1e-2 +0.070, 2e-2 diverged; so the job's
+non-private anchor runs at 3e-3, and DP at epsilon 7.21 keeps 88% of its rise here.
 
 Each candidate varies the recipe (``embedded.RECIPE``) by ``--steps`` (warm-start steps) and
 ``--build-seeds`` (the recipe's seed: weight init and warm-start batches), built with
