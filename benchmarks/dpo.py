@@ -165,8 +165,9 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=120)
     parser.add_argument("--trl-python", default=os.environ.get("FLWR_VERL_TRL_PYTHON", ""),
                         help="python of a venv with trl 1.16 and peft; empty: no anchor")
-    parser.add_argument("--trl-epochs", type=float, default=1.0)
-    parser.add_argument("--trl-lr", type=float, default=5e-4)
+    # The anchor at its own best on the tune split (docs/rlhf.md): a weak anchor would flatter us.
+    parser.add_argument("--trl-epochs", type=float, default=2.0)
+    parser.add_argument("--trl-lr", type=float, default=5e-3)
     parser.add_argument("--trl-batch-size", type=int, default=16)
     parser.add_argument("--no-arms", action="store_true", help="stage dpo (and the anchor) only, for tuning")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
