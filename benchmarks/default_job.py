@@ -29,6 +29,7 @@ from flwr.common.config import parse_config_args
 
 import harness
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env
+from flwr_verl.config import ConfigError, parse_run_config
 
 ROUND_ZERO = re.compile(r"round 0/\d+: held-out accuracy ([0-9.]+)")
 ROUND = re.compile(r"round (\d+)/\d+: .*?held-out accuracy ([0-9.]+)")
@@ -65,6 +66,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "default_job.json")
     args = parser.parse_args()
     run_config = parse_config_args([args.run_config]) if args.run_config else {}
+    try:
+        parse_run_config(run_config)  # a bad key or value fails here, by name, before any run starts
+    except ConfigError as error:
+        parser.error(f"--run-config: {error}")
     runs = []
     for index in range(args.runs):
         root = Path(tempfile.mkdtemp(prefix=f"default-job-{index}-"))
