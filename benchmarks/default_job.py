@@ -5,11 +5,11 @@ the median and range of its rise over ``--runs`` runs.
 Goal: a median rise of at least 0.2 in held-out accuracy by the last round.
 
     python benchmarks/default_job.py [--runs 3]
-    python benchmarks/default_job.py --run-config "privacy.enabled=false actor.lr=3e-3"
+    python benchmarks/default_job.py --set privacy.enabled=false --set actor.lr=3e-3
 
-``--run-config`` overrides pyproject.toml's keys as ``flwr run --run-config`` does; the second
-command is the job's non-private anchor (lr 3e-3 chosen without DP on the tune split:
-``embedded_recipe.py --no-dp``).
+``--set KEY=VALUE`` overrides one of pyproject.toml's keys, as ``flwr-verl check-config --set``
+does (and is checked the same way, before any run); the second command is the job's non-private
+anchor (lr 3e-3 chosen without DP on the tune split: ``embedded_recipe.py --no-dp``).
 
 Each run is isolated (its own FLWR_HOME, SuperLink ports, Ray dir; ``deploy/simulation.py``) and
 imports this checkout's flwr_verl. Every run draws fresh DP noise and batches
@@ -25,11 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from flwr.common.config import parse_config_args
-
 import harness
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env
-from flwr_verl.config import ConfigError, parse_run_config
+from flwr_verl.config import ConfigError
+from flwr_verl.tools.cli import checked_run_config
 
 ROUND_ZERO = re.compile(r"round 0/\d+: held-out accuracy ([0-9.]+)")
 ROUND = re.compile(r"round (\d+)/\d+: .*?held-out accuracy ([0-9.]+)")
@@ -61,15 +60,14 @@ def main() -> None:
     parser = harness.argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--run-config", default="",
-                        help="space-separated KEY=VALUE overrides of pyproject.toml's config, as flwr run's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one of pyproject.toml's keys, a TOML literal as in `flwr run --run-config`")
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "default_job.json")
     args = parser.parse_args()
-    run_config = parse_config_args([args.run_config]) if args.run_config else {}
-    try:
-        parse_run_config(run_config)  # a bad key or value fails here, by name, before any run starts
+    try:  # the config the runs will use, checked as check-config does: a bad key fails here, by name
+        run_config = checked_run_config(None, args.set, harness.REPO)
     except ConfigError as error:
-        parser.error(f"--run-config: {error}")
+        parser.error(str(error))
     runs = []
     for index in range(args.runs):
         root = Path(tempfile.mkdtemp(prefix=f"default-job-{index}-"))
@@ -83,7 +81,7 @@ def main() -> None:
     print(f"{args.runs} runs: round 0 {harness.format_spread(harness.spread(first))}, "
           f"last round {harness.format_spread(harness.spread(last))}, "
           f"rise {harness.format_spread(harness.spread(rise), '+.3f')}")
-    harness.write_json(args.out, {"run_config": run_config, "runs": runs})
+    harness.write_json(args.out, {"overrides": args.set, "runs": runs})
 
 
 if __name__ == "__main__":
