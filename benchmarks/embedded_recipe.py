@@ -82,7 +82,7 @@ On 2026-12-07 (later; tune split, the same job), a larger batch at the same epsi
 384 (sigma 1.036) +0.210 (+0.177 to +0.226, seeds 0-4) against 256 (shipped) +0.185 (+0.165 to
 +0.189, seeds 0-4), 512 (sigma 1.209) +0.210 (+0.189 to +0.239, seeds 0-2); at 1.5e-2, 384 +0.185
 and 512 +0.202. Batch 384 at 1e-2 then rose +0.162 on validation as the real default job (ten
-runs) beside +0.156 for the shipped 256 (``default_job.py --run-config``; docs/benchmarks.md):
+runs) beside +0.156 for the shipped 256 (``default_job.py --set``; docs/benchmarks.md):
 within the spread, not adopted. Without DP (``--no-dp``: neither clipping nor noise; seeds 0-2):
 lr 1e-3 +0.160, 3e-3 +0.210 (+0.193 to +0.235), 5e-3 +0.210, 1e-2 +0.070, 2e-2 diverged; so the
 job's non-private anchor runs at 3e-3, and DP at epsilon 7.21 keeps 88% of its rise here.
