@@ -82,8 +82,8 @@ def stage_dpo(args, workdir: Path, eval_rows: list[dict]) -> dict:
     run_config = {"stage": "dpo", "num-server-rounds": args.dpo_rounds, "data.train_size": args.dpo_train_size,
                   "data.val_size": args.dpo_val_size, "data.train_batch_size": args.dpo_batch_size,
                   "actor.ppo_mini_batch_size": args.dpo_batch_size, "actor.lr": args.dpo_lr,
-                  "dpo.beta": args.beta, "model.lora_rank": args.lora_rank, "model.lora_alpha": 2.0 * args.lora_rank,
-                  "privacy.max_grad_norm": args.dpo_clip_norm}
+                  "dpo.beta": args.beta, "dpo.sft_weight": args.sft_weight, "model.lora_rank": args.lora_rank,
+                  "model.lora_alpha": 2.0 * args.lora_rank, "privacy.max_grad_norm": args.dpo_clip_norm}
     config = parse_run_config({**run_config, "trainer.seed": args.seed}).engine
     models = policy_models(config)
     held_out = load_units(config.data, args.eval_split, args.seed)
@@ -121,7 +121,7 @@ def anchor_trl(args, dpo: dict, workdir: Path) -> dict:
     pairs.write_text("".join(json.dumps(p) + "\n" for p in dpo["_train_pairs"]))
     spec = {"model": str(model_dir), "pairs": str(pairs), "out": str(workdir / "trl"), "beta": args.beta,
             "epochs": args.trl_epochs, "lr": args.trl_lr, "batch_size": args.trl_batch_size,
-            "lora_rank": args.lora_rank, "seed": args.seed}
+            "lora_rank": args.lora_rank, "seed": args.seed, "sft_weight": args.sft_weight}
     (workdir / "trl.json").write_text(json.dumps(spec))
     print(f"anchor: TRL DPOTrainer on {len(dpo['_train_pairs'])} pairs, {args.trl_epochs} epochs", flush=True)
     done = subprocess.run([args.trl_python, str(harness.BENCHMARKS / "trl_dpo_anchor.py"), str(workdir / "trl.json")],
@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--dpo-lr", type=float, default=6e-3)
     parser.add_argument("--dpo-clip-norm", type=float, default=1.0, help="stage dpo's privacy.max_grad_norm")
     parser.add_argument("--beta", type=float, default=1.0, help="dpo.beta, and the verifier's reward_model.beta")
+    parser.add_argument("--sft-weight", type=float, default=1.0,
+                        help="dpo.sft_weight, the chosen responses' NLL term (RPO), also the TRL anchor's; 0: plain DPO")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="implicit")
     parser.add_argument("--length-normalize", action="store_true", help="the verifier's reward_model.length_normalize")

@@ -6,7 +6,9 @@ exactly as it scores the federated one.
     <trl-venv>/bin/python benchmarks/trl_dpo_anchor.py SPEC.json
 
 SPEC: {"model": dir, "pairs": jsonl of {"prompt", "chosen", "rejected"}, "out": dir, "beta",
-"epochs", "lr", "batch_size", "lora_rank", "seed"}.
+"epochs", "lr", "batch_size", "lora_rank", "seed", "sft_weight"}: with ``sft_weight`` > 0 the loss is
+TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, sft_weight]``, as stage dpo's
+``dpo.sft_weight``.
 """
 
 import json
@@ -25,9 +27,10 @@ torch.set_num_threads(1)
 tokenizer = AutoTokenizer.from_pretrained(spec["model"])
 model = AutoModelForCausalLM.from_pretrained(spec["model"])
 pairs = [json.loads(line) for line in open(spec["pairs"])]
+losses = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, spec["sft_weight"]]} if spec["sft_weight"] else {}
 args = DPOConfig(output_dir=spec["out"] + "/trainer", beta=spec["beta"], num_train_epochs=spec["epochs"],
                  learning_rate=spec["lr"], per_device_train_batch_size=spec["batch_size"], seed=spec["seed"],
-                 report_to=[], logging_steps=50, save_strategy="no", use_cpu=True, bf16=False)
+                 report_to=[], logging_steps=50, save_strategy="no", use_cpu=True, bf16=False, **losses)
 lora = LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"], target_modules="all-linear",
                   task_type="CAUSAL_LM")
 trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,

@@ -329,12 +329,13 @@ LABEL_SMOOTHED_DPO_LOSSES = ("cdpo", "robust")
 
 @dataclass
 class DPOConfig:
-    """Stage ``dpo``: ``beta`` (the KL weight: DPO's temperature, IPO's tau), ``loss`` and, for
-    the label-smoothed losses, ``label_smoothing`` (the share of pairs assumed flipped)."""
+    """Stage ``dpo``: ``beta`` (the KL weight: DPO's temperature, IPO's tau), ``loss``, ``label_smoothing``
+    (cdpo's and robust's share of pairs assumed flipped), ``sft_weight`` (RPO's weight of the chosen NLL)."""
 
     beta: float = 0.1
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
+    sft_weight: float = 0.0
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.beta) and self.beta > 0, "dpo.beta", self.beta, "must be a number > 0")
@@ -343,6 +344,8 @@ class DPOConfig:
         require(self.label_smoothing == 0 or self.loss in LABEL_SMOOTHED_DPO_LOSSES, "dpo.label_smoothing",
                 self.label_smoothing, f"must be 0 with dpo.loss={self.loss!r}; it applies to "
                 f"{', '.join(LABEL_SMOOTHED_DPO_LOSSES)}")
+        require(math.isfinite(self.sft_weight) and self.sft_weight >= 0, "dpo.sft_weight", self.sft_weight,
+                "must be a number >= 0")
 
 
 @dataclass(frozen=True)

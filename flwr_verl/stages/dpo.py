@@ -31,6 +31,15 @@ chosen (w) and rejected (l) responses, as TRL 1.16's ``DPOTrainer`` computes the
 - ``robust`` (Chowdhury et al., 2024, TRL's ``robust``): cdpo's terms debiased,
   (-(1 - eps) log sigmoid(beta d) + eps log sigmoid(-beta d)) / (1 - 2 eps).
 
+With ``dpo.sft_weight`` w > 0 each pair's loss adds w times the chosen response's negative
+log-likelihood per token, -log pi(y_w|x) / |y_w| (``chosen_nll``; RPO, Pang et al., 2024,
+"Iterative Reasoning Preference Optimization"; TRL's ``loss_type=[loss, "sft"]`` with
+``loss_weights=[1, w]``). DPO's losses move only the margin between chosen and rejected, and both
+may fall; this term raises the chosen response itself, which is what the policy's likelihood
+scores as a verifier. TRL averages over all chosen tokens of a batch; here over each pair's, so
+that a unit's loss depends on its own pairs alone (the same when the chosen responses are equally
+long).
+
 **Objective under DP.** Each unit's loss is the mean over its pairs, the mini-batch loss the mean
 over units: a unit's term depends on its own pairs alone, so Opacus's per-row gradients, pooled
 per unit (``privacy.pool_rows``), are each unit's gradient. The reference pass runs without
@@ -40,7 +49,7 @@ and the run directory are the other stages' (``supervised.UnitTrainer``).
 **Evaluation.** On held-out pairs (their prompts are in no training split): ``accuracy`` is the
 share of pairs whose implicit reward beta h ranks chosen above rejected, a tie counting half
 (``pairwise_accuracy``), ``reward`` the mean of
-sigmoid(beta (h_w - h_l)). In the training summary ``pg_loss`` is the DPO loss and
+sigmoid(beta (h_w - h_l)). In the training summary ``pg_loss`` is the loss (with its SFT term) and
 ``reward_mean`` the training pairs' accuracy.
 """
 
@@ -66,13 +75,14 @@ from flwr_verl.stages.supervised import UnitLoss, UnitTrainer
 # ----------------------------------------------------------------------------- losses
 @dataclass(frozen=True)
 class PairLogRatios:
-    """log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected response, and their token
-    counts (response tokens and EOS), (P,) each."""
+    """log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected response, their token
+    counts (response tokens and EOS), and the chosen response's log pi(y|x), (P,) each."""
 
     chosen: torch.Tensor
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    chosen_log_prob: torch.Tensor
 
 
 DPOLoss = Callable[[PairLogRatios, float, float], torch.Tensor]  # (ratios, beta, label_smoothing) -> (P,)
@@ -112,6 +122,12 @@ def robust_loss(ratios: PairLogRatios, beta: float, label_smoothing: float) -> t
         / (1 - 2 * label_smoothing)
 
 
+def chosen_nll(ratios: PairLogRatios) -> torch.Tensor:
+    """The chosen response's negative log-likelihood per token, -log pi(y_w|x) / |y_w|, (P,): the
+    SFT term that ``dpo.sft_weight`` adds to every loss."""
+    return -ratios.chosen_log_prob / ratios.chosen_tokens.clamp(min=1)
+
+
 # ----------------------------------------------------------------------------- sequences
 def pair_examples(units: Sequence[PreferenceUnit]) -> tuple[list[tuple[list[dict], str]], list[int]]:
     """The rows of one forward pass: every chosen response of ``units`` (pair by pair, unit by
@@ -144,7 +160,7 @@ def pair_log_ratios(model, batch: ResponseBatch, reference: torch.Tensor | None 
         reference = reference_log_probs(model, batch)
     ratio = policy - reference
     pairs = len(ratio) // 2
-    return PairLogRatios(ratio[:pairs], ratio[pairs:], tokens[:pairs], tokens[pairs:])
+    return PairLogRatios(ratio[:pairs], ratio[pairs:], tokens[:pairs], tokens[pairs:], policy[:pairs])
 
 
 def pairwise_accuracy(margin: torch.Tensor) -> float:
@@ -193,7 +209,10 @@ class LocalDPOTrainer(UnitTrainer):
         ratios, unit_of_row = self._ratios(units)
         dpo = self.config.dpo
         unit_of_pair = unit_of_row[: len(ratios.chosen)]
-        loss = unit_means(self.loss(ratios, dpo.beta, dpo.label_smoothing), unit_of_pair, len(units)).mean()
+        per_pair = self.loss(ratios, dpo.beta, dpo.label_smoothing)
+        if dpo.sft_weight:
+            per_pair = per_pair + dpo.sft_weight * chosen_nll(ratios)
+        loss = unit_means(per_pair, unit_of_pair, len(units)).mean()
         return UnitLoss(loss, unit_of_row, {"pg_loss": loss.item(),
                                             "reward_mean": (ratios.chosen > ratios.rejected).float().mean().item()})
 

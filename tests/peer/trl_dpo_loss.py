@@ -1,10 +1,11 @@
 """TRL's side of tests/stages/test_dpo.py, run with the TRL venv's python (never imported by the project).
 
-Reads a JSON list of cases from stdin, each {"loss_type", "beta", "label_smoothing",
+Reads a JSON list of cases from stdin, each {"loss_type", "beta", "label_smoothing", "sft_weight",
 "per_token": [[...]] (2P rows of the policy's per-token log-probs, 0 off the completion), "mask":
 [[...]] (2P rows, completion tokens), "ref_chosen": [...], "ref_rejected": [...]}. Runs TRL 1.16's
 ``DPOTrainer._compute_loss`` on exactly those log-probs (a model stub returns them; the reference
-log-probs come precomputed, as with ``precompute_ref_log_probs``) and prints the list of losses.
+log-probs come precomputed, as with ``precompute_ref_log_probs``), with TRL's "sft" loss added
+at weight ``sft_weight`` when it is not 0, and prints the list of losses.
 """
 
 import json
@@ -28,10 +29,13 @@ def trl_loss(spec: dict) -> float:
                                is_top1=torch.zeros(rows, width, dtype=torch.bool))
 
     model.training = True
+    losses = {"loss_types": [spec["loss_type"]], "loss_weights": [1.0]}
+    if spec["sft_weight"]:
+        losses = {"loss_types": [spec["loss_type"], "sft"], "loss_weights": [1.0, spec["sft_weight"]]}
     trainer = DPOTrainer.__new__(DPOTrainer)  # only the loss: no model, data or optimizer
     trainer.__dict__.update(
         model=model, accelerator=Accelerator(cpu=True), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[spec["loss_type"]], loss_weights=[1.0],
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", **losses,
         beta=spec["beta"], label_smoothing=spec["label_smoothing"], use_weighting=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
     )

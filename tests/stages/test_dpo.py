@@ -13,7 +13,7 @@ import torch
 
 from flwr_verl.config import DPO_LOSS_NAMES, ConfigError, parse_run_config
 from flwr_verl.engine.models import build_models
-from flwr_verl.stages.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, pair_examples
+from flwr_verl.stages.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, chosen_nll, pair_examples
 from flwr_verl.stages.preference import PreferenceUnit, load_units
 from tests.unit_independence import assert_units_are_independent
 
@@ -36,20 +36,27 @@ def models():
     return build_models(config.model, with_critic=False, seed=config.trainer.seed)
 
 
-LOSS_CASES = [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.0), ("ipo", 0.1, 0.0), ("ipo", 1.0, 0.0),
-              ("robust", 0.1, 0.2), ("robust", 0.3, 0.0)]
+# (loss, beta, label_smoothing, sft_weight)
+LOSS_CASES = [("sigmoid", 0.1, 0.0, 0.0), ("sigmoid", 0.5, 0.0, 0.0), ("ipo", 0.1, 0.0, 0.0), ("ipo", 1.0, 0.0, 0.0),
+              ("robust", 0.1, 0.2, 0.0), ("robust", 0.3, 0.0, 0.0), ("sigmoid", 0.5, 0.0, 1.0),
+              ("ipo", 0.1, 0.0, 0.3)]
 
 
-def log_prob_case(loss_type: str, beta: float, label_smoothing: float) -> dict:
+def log_prob_case(loss_type: str, beta: float, label_smoothing: float, sft_weight: float) -> dict:
     """Per-token log-probs of 6 pairs whose responses differ in length (the completion masks
-    differ, so IPO's length normalisation is exercised) and their reference sums."""
+    differ, so IPO's length normalisation is exercised) and their reference sums. With an SFT
+    term the chosen responses are equally long: TRL averages it over the batch's chosen tokens,
+    ``chosen_nll`` over each pair's, and the two agree only then."""
     generator = torch.Generator().manual_seed(len(loss_type) + int(100 * beta))
     pairs, width = 6, 7
     mask = (torch.rand(2 * pairs, width, generator=generator) > 0.4).long()
     mask[:, 0] = 1
+    if sft_weight:
+        mask[:pairs] = 1
     per_token = -3 * torch.rand(2 * pairs, width, generator=generator, dtype=torch.float64) * mask
     ref_chosen, ref_rejected = (-10 * torch.rand(pairs, generator=generator, dtype=torch.float64) for _ in range(2))
-    return {"loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "per_token": per_token.tolist(),
+    return {"loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "sft_weight": sft_weight,
+            "per_token": per_token.tolist(),
             "mask": mask.tolist(), "ref_chosen": ref_chosen.tolist(), "ref_rejected": ref_rejected.tolist()}
 
 
@@ -72,14 +79,16 @@ def test_the_registry_holds_exactly_the_losses_the_config_allows():
 
 @pytest.mark.parametrize("case", range(len(LOSS_CASES)), ids=lambda i: "-".join(map(str, LOSS_CASES[i])))
 def test_each_loss_equals_trls_dpo_trainer_on_the_same_log_probs(case, trl_losses):
-    """TRL's mean over pairs against ours, on the same log-probs."""
+    """TRL's mean over pairs against ours, on the same log-probs (with the SFT term, TRL's
+    ``loss_type=[loss, "sft"]``)."""
     spec = log_prob_case(*LOSS_CASES[case])
     per_token, mask = torch.tensor(spec["per_token"], dtype=torch.float64), torch.tensor(spec["mask"])
     logps, tokens, pairs = per_token.sum(-1), mask.sum(-1).double(), len(spec["ref_chosen"])
     ratios = PairLogRatios(logps[:pairs] - torch.tensor(spec["ref_chosen"], dtype=torch.float64),
                            logps[pairs:] - torch.tensor(spec["ref_rejected"], dtype=torch.float64),
-                           tokens[:pairs], tokens[pairs:])
-    ours = DPO_LOSSES[spec["loss_type"]](ratios, spec["beta"], spec["label_smoothing"]).mean().item()
+                           tokens[:pairs], tokens[pairs:], logps[:pairs])
+    per_pair = DPO_LOSSES[spec["loss_type"]](ratios, spec["beta"], spec["label_smoothing"])
+    ours = (per_pair + spec["sft_weight"] * chosen_nll(ratios)).mean().item()
     assert ours == pytest.approx(trl_losses[case], abs=1e-6, rel=1e-6)
 
 
@@ -91,12 +100,13 @@ def test_conservative_dpo_stops_at_the_margin_its_label_smoothing_believes():
     best = torch.logit(torch.tensor(1 - eps, dtype=torch.float64)) / beta
     margin = torch.tensor([best.item()], dtype=torch.float64, requires_grad=True)
     zero = torch.zeros(1, dtype=torch.float64)
-    DPO_LOSSES["cdpo"](PairLogRatios(margin, zero, zero + 1, zero + 1), beta, eps).sum().backward()
+    DPO_LOSSES["cdpo"](PairLogRatios(margin, zero, zero + 1, zero + 1, zero), beta, eps).sum().backward()
     assert abs(margin.grad.item()) < 1e-12
     plain = torch.tensor([best.item()], dtype=torch.float64, requires_grad=True)
-    DPO_LOSSES["sigmoid"](PairLogRatios(plain, zero, zero + 1, zero + 1), beta, 0.0).sum().backward()
+    DPO_LOSSES["sigmoid"](PairLogRatios(plain, zero, zero + 1, zero + 1, zero), beta, 0.0).sum().backward()
     assert plain.grad.item() < -1e-3  # DPO would still widen the margin
-    values = PairLogRatios(torch.tensor([0.3, -1.2]), torch.tensor([0.1, 0.4]), torch.ones(2), torch.ones(2))
+    values = PairLogRatios(torch.tensor([0.3, -1.2]), torch.tensor([0.1, 0.4]), torch.ones(2), torch.ones(2),
+                           torch.zeros(2))
     torch.testing.assert_close(DPO_LOSSES["cdpo"](values, 0.2, 0.0), DPO_LOSSES["sigmoid"](values, 0.2, 0.0))
 
 
@@ -104,6 +114,7 @@ def test_conservative_dpo_stops_at_the_margin_its_label_smoothing_believes():
     ("dpo.loss", "kto", "allowed: sigmoid, ipo, cdpo, robust"),
     ("dpo.beta", 0.0, "must be a number > 0"),
     ("dpo.label_smoothing", 0.5, r"must be in \[0, 0.5\)"),
+    ("dpo.sft_weight", -0.5, r"must be a number >= 0"),
 ])
 def test_a_bad_dpo_setting_names_the_key_the_value_and_what_is_allowed(key, value, message):
     with pytest.raises(ConfigError, match=rf"{key}={value!r}.*{message}"):
@@ -184,11 +195,13 @@ def test_each_units_reference_is_computed_once_and_matches_a_fresh_pass(models, 
         models.adapters.set_arrays(initial)
 
 
-def test_dpo_per_unit_gradients_equal_each_unit_computed_alone(models):
+@pytest.mark.parametrize("sft_weight", [0.0, 1.0], ids=["dpo", "with-sft-term"])
+def test_dpo_per_unit_gradients_equal_each_unit_computed_alone(models, sft_weight):
     """Units with 1, 2 and 3 pairs in one forward pass, the adapter moved off zero first (at
     B = 0 the LoRA A factors get no gradient): each unit's pooled Opacus gradient is its loss's
-    gradient computed alone. The reference pass adds nothing (it runs without gradients)."""
-    config = dpo_config()
+    gradient computed alone, with or without the SFT term. The reference pass adds nothing (it
+    runs without gradients)."""
+    config = dpo_config(**{"dpo.sft_weight": sft_weight})
     initial = models.adapters.get_arrays()
     generator = torch.Generator().manual_seed(3)
     try:
