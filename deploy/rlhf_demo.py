@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from deploy.simulation import flwr_run_simulation, isolated_env, kill_tree_with_env  # noqa: E402
 
-# DP: each stage targets epsilon 8 on its own prompts. DPO's beta and lr were chosen on the tune split
-# (benchmarks/dpo.py --eval-split tune), and so was the verifier's score: the DPO policy's likelihood
+# DP: each stage targets epsilon 8 on its own prompts. DPO's beta, lr and SFT term (RPO) were chosen on the
+# tune split (benchmarks/dpo.py --eval-split tune), and so was the verifier's score: the DPO policy's likelihood
 # (its implicit reward scored an empty answer highest, and GRPO against it fell to 0 held-out accuracy),
 # scored by its rank among each prompt's answers (reward_model.group_rank, chosen on the tune split with
 # benchmarks/dpo.py; docs/rlhf.md has its figures). The rounds keep the whole demo at a few minutes on 2 cores.
@@ -35,7 +35,7 @@ PRIVATE = {"privacy.target_epsilon": 8.0}
 STAGES = {
     "sft": {**PRIVATE, "stage": "sft", "num-server-rounds": 2, "data.train_size": 512},
     "dpo": {**PRIVATE, "stage": "dpo", "num-server-rounds": 4, "data.train_size": 512, "data.val_size": 32,
-            "actor.lr": 6e-3, "dpo.beta": 1.0},
+            "actor.lr": 6e-3, "dpo.beta": 1.0, "dpo.sft_weight": 1.0},
     "grpo": {**PRIVATE, "num-server-rounds": 4, "reward_model.enable": True, "reward_model.kind": "implicit",
              "reward_model.score": "likelihood", "reward_model.group_rank": True},
 }
