@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flwr_verl.config import ConfigError, EngineConfig
+from flwr_verl.config import ConfigError, DPOConfig, EngineConfig
 from flwr_verl.engine.evaluation import Evaluation
 from flwr_verl.engine.models import Models, build_models
 from flwr_verl.privacy.dpsgd import unit_means
@@ -128,6 +128,12 @@ def chosen_nll(ratios: PairLogRatios) -> torch.Tensor:
     return -ratios.chosen_log_prob / ratios.chosen_tokens.clamp(min=1)
 
 
+def pair_loss(ratios: PairLogRatios, dpo: DPOConfig) -> torch.Tensor:
+    """Each pair's loss, (P,): ``dpo.loss``, plus ``dpo.sft_weight`` times ``chosen_nll``."""
+    loss = DPO_LOSSES[dpo.loss](ratios, dpo.beta, dpo.label_smoothing)
+    return loss + dpo.sft_weight * chosen_nll(ratios) if dpo.sft_weight else loss
+
+
 # ----------------------------------------------------------------------------- sequences
 def pair_examples(units: Sequence[PreferenceUnit]) -> tuple[list[tuple[list[dict], str]], list[int]]:
     """The rows of one forward pass: every chosen response of ``units`` (pair by pair, unit by
@@ -180,7 +186,6 @@ class LocalDPOTrainer(UnitTrainer):
         models = models or build_models(config.model, with_critic=False, seed=config.trainer.seed)
         super().__init__(config, train_units, models, models.policy)
         self.tokenizer = models.tokenizer
-        self.loss = DPO_LOSSES[config.dpo.loss]
         self._reference: dict[int, tuple[PreferenceUnit, torch.Tensor]] = {}  # id -> (unit, (2, pairs))
 
     def _ratios(self, units: Sequence[PreferenceUnit]) -> tuple[PairLogRatios, torch.Tensor]:
@@ -207,12 +212,8 @@ class LocalDPOTrainer(UnitTrainer):
 
     def unit_loss(self, units: list[PreferenceUnit]) -> UnitLoss:
         ratios, unit_of_row = self._ratios(units)
-        dpo = self.config.dpo
         unit_of_pair = unit_of_row[: len(ratios.chosen)]
-        per_pair = self.loss(ratios, dpo.beta, dpo.label_smoothing)
-        if dpo.sft_weight:
-            per_pair = per_pair + dpo.sft_weight * chosen_nll(ratios)
-        loss = unit_means(per_pair, unit_of_pair, len(units)).mean()
+        loss = unit_means(pair_loss(ratios, self.config.dpo), unit_of_pair, len(units)).mean()
         return UnitLoss(loss, unit_of_row, {"pg_loss": loss.item(),
                                             "reward_mean": (ratios.chosen > ratios.rejected).float().mean().item()})
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flwr_verl.config import DPO_LOSS_NAMES, ConfigError, parse_run_config
+from flwr_verl.config import DPO_LOSS_NAMES, ConfigError, DPOConfig, parse_run_config
 from flwr_verl.engine.models import build_models
-from flwr_verl.stages.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, chosen_nll, pair_examples
+from flwr_verl.stages.dpo import DPO_LOSSES, LocalDPOTrainer, PairLogRatios, pair_examples, pair_loss
 from flwr_verl.stages.preference import PreferenceUnit, load_units
 from tests.unit_independence import assert_units_are_independent
 
@@ -87,8 +87,9 @@ def test_each_loss_equals_trls_dpo_trainer_on_the_same_log_probs(case, trl_losse
     ratios = PairLogRatios(logps[:pairs] - torch.tensor(spec["ref_chosen"], dtype=torch.float64),
                            logps[pairs:] - torch.tensor(spec["ref_rejected"], dtype=torch.float64),
                            tokens[:pairs], tokens[pairs:], logps[:pairs])
-    per_pair = DPO_LOSSES[spec["loss_type"]](ratios, spec["beta"], spec["label_smoothing"])
-    ours = (per_pair + spec["sft_weight"] * chosen_nll(ratios)).mean().item()
+    dpo = DPOConfig(beta=spec["beta"], loss=spec["loss_type"], label_smoothing=spec["label_smoothing"],
+                    sft_weight=spec["sft_weight"])
+    ours = pair_loss(ratios, dpo).mean().item()
     assert ours == pytest.approx(trl_losses[case], abs=1e-6, rel=1e-6)
 
 
