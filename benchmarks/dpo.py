@@ -9,8 +9,9 @@ with ``--eval-split tune``):
    scores, the implicit reward beta (log pi_dpo - log pi_ref) and the DPO policy's likelihood
    log pi_dpo, each whole and per token; and the DPO policy's own greedy exact match;
 2. the anchor: TRL 1.16's ``DPOTrainer``, centralized and without DP, on the pooled training
-   pairs of all clients, from the same model (LoRA r ``--lora-rank`` on all linear layers),
-   scored the same way (``trl_dpo_anchor.py``, run by ``--trl-python``: a venv with trl and peft);
+   pairs of all clients, from the same model (LoRA r ``--lora-rank`` on all linear layers), with
+   the same loss (DPO's, plus TRL's "sft" term at ``--sft-weight``), scored the same way
+   (``trl_dpo_anchor.py``, run by ``--trl-python``: a venv with trl and peft);
 3. GRPO from the embedded policy in two arms with the same rounds, data, seeds and epsilon:
    against the rule reward, and against the DPO verifier (``reward_model.kind = "implicit"``,
    score ``--verifier-score``); greedy exact match each round, and the verifier's score of the
