@@ -32,6 +32,7 @@ Writes ``--out/dpo.json``: ``pairwise_accuracy`` (``round_0``, ``final``, per sc
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -157,9 +158,11 @@ def main() -> None:
     parser.add_argument("--sft-weight", type=float, default=1.0,
                         help="dpo.sft_weight, the chosen responses' NLL term (RPO), also the TRL anchor's; 0: plain DPO")
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="implicit")
+    # The verifier's score and ranks, as chosen on the tune split (docs/rlhf.md): no flags run the measured setup.
+    parser.add_argument("--verifier-score", choices=("implicit", "likelihood"), default="likelihood")
     parser.add_argument("--length-normalize", action="store_true", help="the verifier's reward_model.length_normalize")
-    parser.add_argument("--verifier-rank", action="store_true", help="the verifier's reward_model.group_rank")
+    parser.add_argument("--verifier-rank", action=argparse.BooleanOptionalAction, default=True,
+                        help="the verifier's reward_model.group_rank")
     parser.add_argument("--verifier-lr", type=float, default=None,
                         help="the verifier arm's actor.lr (default: the config's, as the rule arm's)")
     parser.add_argument("--ppo-rounds", type=int, default=8)
